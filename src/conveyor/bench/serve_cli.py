@@ -1,0 +1,160 @@
+"""``conveyor bench serve``: the command line of the serving benchmark (flags as vLLM's).
+
+    conveyor bench serve --url http://127.0.0.1:8000 --dataset random \\
+        --input-len 512 --output-len 128 --num-prompts 200 --request-rate 8
+
+Also runnable alone: ``python -m conveyor.bench.serve_cli --url ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+
+from conveyor.bench.datasets import DATASET_NAMES, DatasetConfig, SkewedMix
+from conveyor.bench.metrics import format_table, parse_goodput
+from conveyor.bench.serve import ENDPOINTS, BenchmarkConfig, BenchmarkResult, run_benchmark
+
+DEFAULTS_MIX = SkewedMix()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the serving benchmark's flags to `parser`."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--url", required=True,
+                        help="server root, e.g. http://127.0.0.1:8000 (without /v1)")
+    server.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS)
+    server.add_argument("--model", default=None,
+                        help="model name to send (default: the first id of GET /v1/models)")
+    server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=1000)
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="mean requests/s; 'inf' (default) sends all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of arrival gaps: 1.0 = Poisson, <1 burstier")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight at once (default: unlimited)")
+    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="send ignore_eos: true, so every request generates max_tokens")
+    load.add_argument("--temperature", type=float, default=0.0)
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset", default="random", choices=DATASET_NAMES)
+    data.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
+    data.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    data.add_argument("--range-ratio", type=float, default=0.0,
+                      help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    data.add_argument("--skewed-long-fraction", type=float, default=DEFAULTS_MIX.long_fraction,
+                      help="skewed: share of requests with --skewed-long-output-len tokens")
+    data.add_argument("--skewed-short-output", type=int, nargs=2, metavar=("MIN", "MAX"),
+                      default=[DEFAULTS_MIX.short_output_min, DEFAULTS_MIX.short_output_max],
+                      help="skewed: output tokens of the short requests (uniform)")
+    data.add_argument("--skewed-long-output-len", type=int, default=DEFAULTS_MIX.long_output_len)
+    data.add_argument("--skewed-prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                      default=[DEFAULTS_MIX.prompt_min, DEFAULTS_MIX.prompt_max],
+                      help="skewed: prompt tokens (uniform)")
+    data.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="sharegpt: fixed output length instead of the answer's")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--metric-percentiles", default="99",
+                     help="comma-separated latency percentiles to report (default: 99)")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for goodput, any of ttft:MS tpot:MS e2el:MS")
+    out.add_argument("--result-file", default=None, help="write the result JSON here")
+    out.add_argument("--json", action="store_true",
+                     help="print the result JSON on stdout instead of the table")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `serve` sub-command to the `conveyor bench` subparsers."""
+    parser = subparsers.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (conveyor, vLLM, llama.cpp)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _parse_percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(
+            f"--metric-percentiles must be numbers like '50,90,99', got {text!r}"
+        ) from None
+
+
+def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
+    """The BenchmarkConfig the parsed flags describe (ValueError on a bad value)."""
+    mix = SkewedMix(
+        long_fraction=args.skewed_long_fraction,
+        short_output_min=args.skewed_short_output[0],
+        short_output_max=args.skewed_short_output[1],
+        long_output_len=args.skewed_long_output_len,
+        prompt_min=args.skewed_prompt_len[0],
+        prompt_max=args.skewed_prompt_len[1],
+    )
+    dataset = DatasetConfig(
+        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
+        input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+        skewed=mix, dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
+    )
+    return BenchmarkConfig(
+        base_url=args.url.rstrip("/"), endpoint=args.endpoint, model=args.model,
+        api_key=args.api_key, dataset=dataset, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+        ignore_eos=args.ignore_eos, temperature=args.temperature,
+        percentiles=_parse_percentiles(args.metric_percentiles),
+        goodput_slos_ms=parse_goodput(args.goodput or []),
+        show_progress=not args.no_progress,
+    )
+
+
+def report(result: BenchmarkResult, as_json: bool, result_file: str | None) -> None:
+    """Print the table (or JSON) and write the result file; the first error goes to stderr."""
+    data = result.to_dict()
+    if result_file:
+        with open(result_file, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_table(result.metrics))
+    if result.first_error is not None:
+        print(f"{result.metrics.failed} request(s) failed; first error: {result.first_error}",
+              file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 when at least one request succeeded, 1 otherwise or on bad input."""
+    try:
+        config = config_from_args(args)
+        result = asyncio.run(run_benchmark(config))
+    except (ValueError, OSError) as e:
+        print(f"conveyor bench serve: error: {e}", file=sys.stderr)
+        return 1
+    report(result, args.json, args.result_file)
+    return 0 if result.metrics.completed > 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m conveyor.bench.serve_cli``."""
+    parser = argparse.ArgumentParser(
+        prog="conveyor bench serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

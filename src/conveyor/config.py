@@ -1,0 +1,181 @@
+"""Frozen configuration objects, validated once at construction.
+
+Layer 0: stdlib only. Every engine argument is a field of one of these dataclasses and,
+with the same name, an ``LLM(...)`` keyword and a ``--flag`` of the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+# Architectures the model package implements (HF `model_type` / GGUF `general.architecture`).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _require(cond: bool, name: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int (bytes), a float (GiB) or a string like "2GiB", "512MB", "1e9"."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value * GiB)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+    number = float(m.group(1))
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}[unit]
+    # A bare number below 1024 is read as GiB: nobody asks for a 4-byte KV cache.
+    if m.group(2) is None and number < 1024:
+        scale = GiB
+    return int(number * scale)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, in Hugging Face's vocabulary."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF `rope_scaling` dict as sorted (key, value) pairs (frozen); None for plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
+                 f"one of {SUPPORTED_ARCHITECTURES}", self.architecture)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 "num_key_value_heads", "a divisor of num_attention_heads",
+                 self.num_key_value_heads)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V for one token across all layers (grouped-query aware)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and the memory budget that sets the number of blocks."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 * GiB  # bytes for K and V of all layers
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+                 "a power of two in [1, 256]", self.block_size)
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Bounds of one step: the token budget and the cap on running sequences."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+                 self.max_num_batched_tokens)
+        _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        if not self.enable_chunked_prefill:
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "max_num_batched_tokens", ">= max_model_len without chunked prefill",
+                     self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine argument: an ``LLM(...)`` keyword and a ``--flag`` of the same name.
+
+    ``None`` means "derive it": the default model, the model's context length, the fastest
+    dtype on this machine.
+    """
+
+    model: str | None = None  # GGUF file or HF folder; None = the default SmolLM2 model
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    load_format: str = "auto"  # "auto" | "gguf" | "safetensors" | "dummy"
+    seed: int = 0  # seeds dummy weights and unseeded sampling
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: int | float | str = "1GiB"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    policy: str = "fcfs"  # admission order and preemption victims
+    served_model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
+                 "one of auto, bfloat16, float16, float32", self.dtype)
+        _require(self.load_format in ("auto", "gguf", "safetensors", "dummy"), "load_format",
+                 "one of auto, gguf, safetensors, dummy", self.load_format)
+        _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda",
+                 self.device)
+        parse_memory(self.kv_cache_memory)  # validates
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size,
+                           kv_cache_memory=parse_memory(self.kv_cache_memory),
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        max_model_len = self.max_model_len or model_max_len
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=max_model_len,
+                               enable_chunked_prefill=self.enable_chunked_prefill)

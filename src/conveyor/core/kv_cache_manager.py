@@ -1,0 +1,133 @@
+"""Per-request block tables over the block pool.
+
+The scheduler asks three things: which prefix of a new request is already cached, can this
+step's tokens be placed (and place them), and free a request. Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+from conveyor.core.block_pool import BlockHash, BlockPool, hash_block
+from conveyor.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[str, list[int]] = {}
+        # Per request: hashes of its full blocks so far (the chain), for registration.
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by live requests (0-1)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks, extended incrementally."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start:start + bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks holding a prefix of the request, and how many tokens they cover.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        self.pool.stats.queries += request.num_tokens
+        self.pool.stats.hits += len(block_ids) * self.block_size
+        return block_ids, len(block_ids) * self.block_size
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed_blocks: list[int] | None = None) -> bool:
+        return self._num_blocks_to_take(request, num_new_tokens, computed_blocks or []) \
+            <= self.pool.num_free_blocks
+
+    def _num_blocks_to_take(self, request: Request, num_new_tokens: int,
+                            computed_blocks: list[int]) -> int:
+        table = self.block_tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table) \
+            - len(computed_blocks)
+        # Touching an idle cached block takes it out of the free queue too.
+        idle_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
+        return max(new_blocks, 0) + idle_hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't.
+
+        ``computed_blocks`` are prefix-cache hits for a request being admitted; the caller
+        then advances ``num_computed_tokens`` past them.
+        """
+        computed_blocks = computed_blocks or []
+        if self._num_blocks_to_take(request, num_new_tokens, computed_blocks) \
+                > self.pool.num_free_blocks:
+            return None
+        table = self.block_tables.setdefault(request.request_id, [])
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(table)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        self._register_full_blocks(request, num_computed + num_new_tokens)
+        return table
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish blocks that will be full once this step's tokens are computed.
+
+        Safe to publish before the forward pass: the next lookup happens after it.
+        """
+        if not self.enable_caching:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._block_hashes(request)
+        for i in range(min(num_tokens // self.block_size, len(hashes))):
+            self.pool.register(table[i], hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, last block first (its tail is evicted first)."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.pool.free(list(reversed(table)))
+        self._hashes.pop(request.request_id, None)
+
+    def num_live_requests(self) -> int:
+        return len(self.block_tables)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        owned = sum(len(t) for t in self.block_tables.values())
+        referenced = sum(b.ref_count for b in self.pool.blocks)
+        assert owned == referenced, f"{owned} table entries vs {referenced} references"

@@ -1,0 +1,108 @@
+"""Offline inference with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from conveyor.config import EngineArgs
+from conveyor.engine.llm_engine import LLMEngine, PromptType
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model behind the continuous-batching engine, driven to completion per call.
+
+    Every engine argument is a keyword: ``LLM(model=..., max_num_seqs=..., block_size=...,
+    kv_cache_memory=..., max_model_len=..., dtype=..., load_format=...)``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        known = set(EngineArgs.field_names())
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. All prompts are validated before any runs."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts[0], int):
+            prompts = [list(prompts)]  # type: ignore[arg-type]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        encoded = [self.engine.tokenize_prompt(p) for p in prompts]  # raises on bad input
+        ids = []
+        try:
+            for (text, token_ids), p in zip(encoded, params, strict=True):
+                prompt: PromptType = text if text is not None else token_ids
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to conversations rendered by the model's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        """KV blocks total/free, preemptions, running and waiting requests, and more."""
+        return self.engine.stats()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="requests", unit="req")
+        wanted = set(request_ids)
+        try:
+            while wanted - final.keys():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        final[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            self.engine.abort_request(list(wanted - final.keys()))
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [final[i] for i in request_ids]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params
+
+
+def engine_args_from(**kwargs: Any) -> EngineArgs:
+    return dataclasses.replace(EngineArgs(), **kwargs)

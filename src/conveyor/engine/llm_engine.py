@@ -1,0 +1,224 @@
+"""The step loop: schedule, run, update, detokenize, stop checks.
+
+``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
+(the server) drive it. Bad input raises ``ValueError`` from ``add_request`` and never reaches
+the scheduler, so one bad request cannot disturb the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from conveyor.config import EngineArgs, ModelConfig
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.policy import make_policy
+from conveyor.core.scheduler import Scheduler
+from conveyor.engine.sequence import RequestGroup, Sequence
+from conveyor.model.device import resolve_device, resolve_dtype
+from conveyor.model.llama import build_model
+from conveyor.model.loader import load_checkpoint
+from conveyor.outputs import RequestOutput
+from conveyor.request import Request, RequestStatus
+from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
+from conveyor.sampling_params import SamplingParams
+from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        t0 = time.perf_counter()
+        checkpoint = load_checkpoint(args.model, args.load_format, args.tokenizer)
+        self.model_config: ModelConfig = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.model_name = args.served_model_name or checkpoint.path
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        weights = None if args.load_format == "dummy" else checkpoint.tensors()
+        model = build_model(self.model_config, self.dtype, self.device, weights, args.seed)
+        self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
+        cache_config = args.cache_config()
+        self.kv_layout = KVCacheLayout.from_budget(self.model_config, cache_config, self.dtype)
+        kv_manager = KVCacheManager(self.kv_layout.num_blocks, cache_config.block_size,
+                                    cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, kv_manager,
+                                   make_policy(args.policy))
+        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
+        self._ids = itertools.count()
+        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
+                    self.model_config.architecture, str(self.dtype).removeprefix("torch."),
+                    self.device, time.perf_counter() - t0)
+        logger.info(self.capacity_summary())
+
+    # ------------------------------------------------------------------ info
+    def capacity_summary(self) -> str:
+        layout, max_len = self.kv_layout, self.scheduler_config.max_model_len
+        fits = layout.num_tokens / max_len
+        return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
+                f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
+                f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
+                f"max_model_len={max_len} fit")
+
+    def stats(self) -> dict[str, Any]:
+        sched, kv = self.scheduler, self.scheduler.kv_cache
+        prefix = kv.pool.stats
+        return {
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "num_preemptions": sched.stats.num_preemptions,
+            "num_preempted_tokens": sched.stats.num_preempted_tokens,
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "num_steps": sched.stats.num_steps,
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "finished_by_reason": dict(self.finished_by_reason),
+        }
+
+    # ------------------------------------------------------------------ requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, token ids or {"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        self.check_token_ids(ids, "prompt_token_ids")
+        return None, ids
+
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{field} contains token ids outside the vocabulary "
+                             f"[0, {vocab}): {bad[:5]}")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0, user: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError for bad input."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
+        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
+        eos = tuple(eos) or self.model_config.eos_token_ids
+        requests = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = Request(f"{request_id}#{i}" if params.n > 1 else request_id, list(ids),
+                            params.replace(n=1, seed=seed), eos_token_ids=eos,
+                            max_model_len=self.scheduler_config.max_model_len,
+                            priority=priority, user=user)
+            if arrival_time is not None:
+                child.times.arrival = arrival_time
+            requests.append(child)
+        self.scheduler.check_fits(requests[0])  # raises before anything is queued
+        sequences = [Sequence(i, r, self._detokenizer(ids, params)) for i, r in enumerate(requests)]
+        caching = self.scheduler.kv_cache.enable_caching
+        group = RequestGroup(request_id, text, ids, params, sequences,
+                             pending=requests[1:] if caching else [])
+        self.groups[request_id] = group
+        for seq in sequences:
+            self._sequences[seq.request.request_id] = (group, seq)
+        for r in requests if not caching else requests[:1]:
+            self.scheduler.add_request(r)
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _detokenizer(self, ids: list[int], params: SamplingParams
+                     ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (unknown or finished ids are ignored); their blocks free at once."""
+        outputs = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            group.pending.clear()
+            self.scheduler.abort_requests([s.request.request_id for s in group.sequences])
+            for seq in group.sequences:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+            outputs.append(self._retire(group))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the outputs of requests that got new tokens."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        touched: dict[str, RequestGroup] = {}
+        for request in updated:
+            group, seq = self._sequences[request.request_id]
+            self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+            touched[group.request_id] = group
+        return [self._retire(g) if g.finished else g.output() for g in touched.values()]
+
+    def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
+        request = seq.request
+        token = request.output_token_ids[-1]
+        self.num_generation_tokens += 1
+        if logprobs is not None and self.tokenizer is not None:
+            for token_id, lp in logprobs.items():
+                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if seq.add_token(token, logprobs) is not None and not request.status.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if request.status.finished:
+            seq.finish_reason = request.status.finish_reason
+        if group.pending and seq.index == 0:
+            for pending in group.pending:  # the prompt's blocks are now cached: share them
+                self.scheduler.add_request(pending)
+            group.pending.clear()
+
+    def _retire(self, group: RequestGroup) -> RequestOutput:
+        output = group.output()
+        del self.groups[group.request_id]
+        for seq in group.sequences:
+            self._sequences.pop(seq.request.request_id, None)
+            if seq.finish_reason is not None:
+                self.finished_by_reason[seq.finish_reason] += 1
+        return output
+
+    def check_integrity(self) -> None:
+        """KV invariants (with no request alive, every block is free)."""
+        self.scheduler.check_integrity()
+

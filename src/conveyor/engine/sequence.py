@@ -1,0 +1,113 @@
+"""The engine's view of one request: its ``n`` sequences, their text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from conveyor.core.outputs import Logprob
+from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.request import Request, RequestStatus
+from conveyor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Sequence:
+    """One of a request's ``n`` samples: a scheduler request plus its decoded text."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> str | None:
+        """Take the token the scheduler appended; returns a stop string it completed, if any."""
+        params = self.request.sampling_params
+        if logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        status = self.request.status
+        stopped_on_token = (status == RequestStatus.FINISHED_STOPPED)
+        if stopped_on_token and token_id in params.stop_token_ids:
+            self.stop_reason = token_id
+        if self.detokenizer is None:
+            return None
+        if stopped_on_token and not params.include_stop_str_in_output:
+            return None  # EOS / stop token: its text is not part of the output
+        self.text += self.detokenizer.update([token_id])
+        return self._find_stop_string(params)
+
+    def _find_stop_string(self, params: SamplingParams) -> str | None:
+        if not params.stop:
+            return None
+        # Only the tail can hold a new match; the earlier text was checked before.
+        window = max(len(s) for s in params.stop) + 16
+        tail_start = max(len(self.text) - window, 0)
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            pos = self.text.find(stop, tail_start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        self.text = self.text[:pos + len(stop)] if params.include_stop_str_in_output \
+            else self.text[:pos]
+        self.stop_reason = stop
+        return stop
+
+    def visible_text(self) -> str:
+        """Text safe to stream: holds back a tail that could still become a stop string."""
+        stops = self.request.sampling_params.stop
+        if self.finish_reason is not None or not stops:
+            return self.text
+        hold = max(len(s) for s in stops) - 1
+        return self.text[:max(len(self.text) - hold, 0)]
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.visible_text(),
+                                token_ids=list(self.request.output_token_ids),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                cumulative_logprob=(self.cumulative_logprob
+                                                    if self.logprobs is not None else None))
+
+
+@dataclass
+class RequestGroup:
+    """A user request: ``n`` sequences sharing one prompt (and its KV blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Sequence]
+    # Samples 2..n wait until sample 1 has computed the prompt, then reuse its cached blocks.
+    pending: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.finish_reason is not None for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        first = self.sequences[0].request
+        times = first.times
+        metrics = RequestMetrics(
+            arrival_time=times.arrival, first_scheduled_time=times.first_scheduled,
+            first_token_time=times.first_token, last_token_time=times.last_token,
+            finished_time=max((s.request.times.finished or 0.0 for s in self.sequences),
+                              default=None) if self.finished else None,
+            num_preemptions=sum(s.request.num_preemptions for s in self.sequences))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids,
+                             outputs=[s.output() for s in self.sequences],
+                             finished=self.finished, metrics=metrics,
+                             num_cached_tokens=first.num_cached_tokens)

@@ -1,0 +1,164 @@
+"""GGUF files (llama.cpp): the config from metadata, and dequantized tensors under HF names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from conveyor.config import ModelConfig
+from conveyor.model.hf_loader import unsupported_architecture
+
+# GGUF `general.architecture` values we load (mistral files say "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# Per-layer GGUF tensor names -> HF names (after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp stores that have no HF parameter (llama3 rope frequencies are recomputed
+# from the config).
+_SKIPPED = ("rope_freqs.weight",)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: str) -> GGUFReader:
+    return GGUFReader(path, "r")
+
+
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    architecture = gguf_value(reader, "general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise unsupported_architecture(architecture)
+    return str(architecture)
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> tuple[tuple[str, Any], ...] | None:
+    rope_type = gguf_value(reader, f"{arch}.rope.scaling.type")
+    factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if rope_type in (None, "none") or factor is None:
+        return None
+    scaling: dict[str, Any] = {"rope_type": str(rope_type), "factor": float(factor)}
+    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return tuple(sorted(scaling.items()))
+
+
+def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (keys as llama.cpp's gguf-py writes them)."""
+    arch = gguf_architecture(reader)
+
+    def key(name: str, default: Any = None) -> Any:
+        return gguf_value(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab_size = len(tokens.data)
+    else:
+        vocab_size = int(key("vocab_size") or _tensor_shape(reader, "token_embd.weight")[0])
+    tensor_names = {t.name for t in reader.tensors}
+    eos_ids = [gguf_value(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv") or heads),
+        head_dim=int(key("attention.key_length") or hidden // heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3" or "blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+    )
+
+
+def _tensor_shape(reader: GGUFReader, name: str) -> list[int]:
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return [int(n) for n in reversed(tensor.shape)]
+    raise KeyError(name)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor; None for tensors HF has no parameter for."""
+    if gguf_name in _SKIPPED:
+        return None
+    match = _LAYER_RE.match(gguf_name)
+    if match:
+        layer, base, kind = match.groups()
+        if base not in _LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[base]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base not in _GLOBAL_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute` of llama q/k projections.
+
+    HF rotates halves (dims i and i + head_dim/2 pair up); llama.cpp's "normal" rope rotates
+    adjacent pairs (2i, 2i+1), so the converter interleaves each head's rows:
+    reshape(n_head, 2, head_dim/2, in).swapaxes(1, 2). The inverse swaps the other way.
+    Works for weights [out, in] and biases [out].
+    """
+    rest = weight.shape[1:]
+    head_dim = weight.shape[0] // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *rest)
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor in HF [out, in] layout), one tensor at a time."""
+    permuted = config.architecture in ("llama", "mistral")
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        # GGUF lists dims innermost first (ne0 = in_features); HF wants [out, in].
+        shape = [int(n) for n in reversed(tensor.shape)]
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if values.dtype != np.float32 or not values.flags.writeable:  # F32/F16: a memmap view
+            values = values.astype(np.float32)
+        weight = torch.from_numpy(values.reshape(shape))
+        if permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rotary(weight, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rotary(weight, config.num_key_value_heads)
+        yield name, weight

@@ -1,0 +1,69 @@
+"""Building blocks of Llama-family decoders: RMSNorm and rotary position embeddings."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference implementation does, then scale in x's dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style ("rotate half") RoPE with a precomputed cos/sin table over positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        # float32 throughout, as the reference implementation computes it (greedy parity).
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
+        elif rope_type == "linear":
+            inv_freq = inv_freq / (scaling or {})["factor"]
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported "
+                             "(supported: default, linear, llama3)")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # cos_sin: [max_positions, head_dim] = cos | sin halves
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H, D]; k: [T, KVH, D]."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, -1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)

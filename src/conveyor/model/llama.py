@@ -1,0 +1,186 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm).
+
+Runs one flattened batch of tokens (no batch dimension, no padding): ``[T, hidden]``.
+Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.attention.metadata import AttentionMetadata
+from conveyor.attention.torch_paged import paged_attention
+from conveyor.config import ModelConfig
+from conveyor.model.layers import RMSNorm, RotaryEmbedding
+
+
+# Std of dummy weights: small enough that activations stay finite through deep stacks.
+DUMMY_INIT_STD = 0.02
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head, over a ragged token batch."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling_dict)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: [layers, 2, slots, KVH, D] -> [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> float32 logits [S, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = _fused_target(name, self.config)
+            if target is None or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            dst = param.data if shard is None else param.data.narrow(0, *shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}:{shard}")
+        expected = _expected_keys(self.config, params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _fused_target(name: str, cfg: ModelConfig) -> tuple[str | None, tuple[int, int] | None]:
+    """Map an HF tensor name to (our parameter name, (row offset, rows) of a fused matrix)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if "rotary_emb" in name:
+        return None, None
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    fused = {"q_proj": ("qkv_proj", (0, q)), "k_proj": ("qkv_proj", (q, kv)),
+             "v_proj": ("qkv_proj", (q + kv, kv)),
+             "gate_proj": ("gate_up_proj", (0, cfg.intermediate_size)),
+             "up_proj": ("gate_up_proj", (cfg.intermediate_size, cfg.intermediate_size))}
+    for hf, (ours, shard) in fused.items():
+        if f".{hf}." in name:
+            return name.replace(hf, ours), shard
+    return name, None
+
+
+def _expected_keys(cfg: ModelConfig, params: dict[str, nn.Parameter]) -> set[str]:
+    keys = set()
+    for name in params:
+        if "qkv_proj" in name:
+            q = cfg.num_attention_heads * cfg.head_dim
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            keys |= {f"{name}:{s}" for s in ((0, q), (q, kv), (q + kv, kv))}
+        elif "gate_up_proj" in name:
+            i = cfg.intermediate_size
+            keys |= {f"{name}:{(0, i)}", f"{name}:{(i, i)}"}
+        else:
+            keys.add(f"{name}:None")
+    return keys
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0) -> CausalLM:
+    """The model with loaded weights, or random ones (``weights=None``: dummy load format)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    # The RoPE table stays float32 so positions stay precise whatever the weights' dtype.
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                   cfg.rope_scaling_dict).to(device)
+    if weights is None:
+        _init_dummy(model, seed)
+    else:
+        model.load_weights(weights)
+    return model.eval().requires_grad_(False)
+
+
+def _init_dummy(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device=model.norm.weight.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, DUMMY_INIT_STD, generator=gen)

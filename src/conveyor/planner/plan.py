@@ -1,0 +1,239 @@
+"""Capacity arithmetic: weights, KV cache and the decode roofline on one kind of device.
+
+Pure functions over ``ModelConfig`` and ``DeviceSpec``; no I/O. Units: bytes, seconds,
+FLOP/s. Device sizes come in decimal units (1 GB = 1e9 bytes) throughout.
+
+The decode model is the usual roofline. One decode step reads every weight once and the KV
+of every running sequence, and does ``2 * num_parameters`` FLOPs per sequence:
+
+    memory_time  = (weight_bytes + batch * seq_len * kv_bytes_per_token) / bandwidth
+    compute_time = 2 * num_parameters * batch / flops
+    step_time    = max(memory_time, compute_time);  tokens/s = batch / step_time
+
+Setting the two equal gives the batch where decode turns compute-bound; when the KV term is
+small it is ``ops_per_byte * dtype_bytes / 2``, i.e. the device's ops:byte ratio in fp16.
+Tensor parallelism over ``tp`` devices is modelled as ideal (no communication cost): each
+device holds ``1/tp`` of the weights and ``ceil(num_kv_heads / tp)`` KV heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from conveyor.config import ModelConfig
+
+# Bytes per element of a weight or KV dtype, by the names --dtype/--kv-dtype accept.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "int8": 1,
+    "fp8": 1, "float8": 1,
+}
+
+# The largest tensor-parallel degree min_tp searches before giving up.
+MAX_TP = 1024
+
+
+def dtype_bytes(name: str, flag: str = "--dtype") -> int:
+    """Bytes per element for a dtype name such as ``"float16"`` or ``"fp8"``."""
+    try:
+        return DTYPE_BYTES[name.lower()]
+    except KeyError:
+        raise ValueError(f"{flag}: unknown dtype {name!r}; known: "
+                         f"{', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or this machine): memory size, memory bandwidth and peak compute."""
+
+    name: str
+    memory_bytes: float  # usable device memory, bytes (1 GB = 1e9)
+    bandwidth_bytes_per_s: float  # peak memory bandwidth, bytes/s
+    flops_per_s: float  # peak dense bf16/fp16 matmul throughput, FLOP/s
+
+    def __post_init__(self) -> None:
+        for name, flag in (("memory_bytes", "--memory-gb"),
+                           ("bandwidth_bytes_per_s", "--bandwidth-gbs"),
+                           ("flops_per_s", "--tflops")):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value!r} for device {self.name!r}")
+
+    @property
+    def ops_per_byte(self) -> float:
+        """FLOPs the device can do in the time it reads one byte from memory."""
+        return self.flops_per_s / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """The roofline bound on one decode step at a given batch size (per device)."""
+
+    batch: int  # sequences decoded together, one token each
+    memory_time_s: float  # time to read the weights and the batch's KV once
+    compute_time_s: float  # time for 2 * num_parameters * batch FLOPs
+    step_time_s: float  # max of the two
+    tokens_per_s: float  # batch / step_time_s, for the whole tensor-parallel group
+    bound: str  # "memory" | "compute"
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How a model fits on ``tp`` devices of one kind, and how fast it can decode there."""
+
+    num_parameters: int  # whole model
+    tp: int  # tensor-parallel devices this plan is for
+    seq_len: int  # average tokens (prompt + output) per sequence
+    weight_bytes: int  # whole model
+    weight_bytes_per_device: float  # weight_bytes / tp
+    kv_bytes_per_token: int  # K and V, all layers, all KV heads
+    kv_bytes_per_token_per_device: int  # for the ceil(num_kv_heads / tp) heads one device holds
+    activation_reserve_bytes: float  # per device, kept for activations and workspace
+    kv_budget_bytes: float  # per device: memory - weights - reserve, floored at 0
+    weights_fit: bool  # the weights (and the reserve) fit in memory at all
+    kv_tokens: int  # tokens of KV the group can hold
+    max_concurrent_seqs: int  # kv_tokens // seq_len
+    ops_per_byte: float  # device FLOP/s / bytes/s
+    decode: DecodeBound  # at the requested batch
+    decode_at_max_concurrency: DecodeBound | None  # at max_concurrent_seqs; None if 0
+    compute_bound_batch: float | None  # batch where decode turns compute-bound; None: never
+    compute_bound_batch_weights_only: float  # the same ignoring KV reads: ops:byte * bytes / 2
+    min_tp: int | None  # fewest devices (power of two) holding weights + batch sequences
+    min_tp_divides_kv_heads: bool  # min_tp splits the KV heads evenly (no replication)
+
+
+def _reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
+    if activation_reserve < 0:
+        raise ValueError(f"--activation-reserve must be >= 0, got {activation_reserve!r}")
+    # Below 1 it is a fraction of device memory; from 1 up it is bytes (a 1-byte reserve is
+    # not a thing anyone means, so the two ranges cannot be confused).
+    if activation_reserve < 1:
+        return activation_reserve * device.memory_bytes
+    return float(activation_reserve)
+
+
+def _kv_bytes_per_token_per_device(config: ModelConfig, kv_dtype_bytes: int, tp: int) -> int:
+    # kv_bytes_per_token is linear in the KV heads; with tp > num_kv_heads a head is
+    # replicated, so every device still holds at least one.
+    heads_per_device = math.ceil(config.num_key_value_heads / tp)
+    per_head = config.kv_bytes_per_token(kv_dtype_bytes) // config.num_key_value_heads
+    return per_head * heads_per_device
+
+
+def _kv_budget(device: DeviceSpec, weight_bytes: int, reserve_bytes: float,
+               tp: int) -> float:
+    return device.memory_bytes - weight_bytes / tp - reserve_bytes
+
+
+def _kv_tokens(config: ModelConfig, device: DeviceSpec, weight_bytes: int,
+               kv_dtype_bytes: int, reserve_bytes: float, tp: int) -> int:
+    budget = _kv_budget(device, weight_bytes, reserve_bytes, tp)
+    per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    return max(0, int(budget // per_token))
+
+
+def decode_bound(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
+                 kv_dtype_bytes: int, seq_len: int, batch: int, tp: int = 1) -> DecodeBound:
+    """The roofline bound on a decode step of ``batch`` sequences of ``seq_len`` tokens."""
+    params = config.num_parameters()
+    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    bytes_read = params * dtype_bytes / tp + batch * seq_len * kv_per_token
+    memory_time = bytes_read / device.bandwidth_bytes_per_s
+    compute_time = 2 * params * batch / (tp * device.flops_per_s)
+    step_time = max(memory_time, compute_time)
+    return DecodeBound(batch=batch, memory_time_s=memory_time, compute_time_s=compute_time,
+                       step_time_s=step_time, tokens_per_s=batch / step_time,
+                       bound="compute" if compute_time > memory_time else "memory")
+
+
+def compute_bound_batch(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
+                        kv_dtype_bytes: int, seq_len: int, tp: int = 1) -> float | None:
+    """The batch where compute time catches up with memory time; None if it never does.
+
+    Solves ``(W + B*S*k) / BW = 2*P*B / F`` for ``B``. Each extra sequence adds KV reads as
+    well as FLOPs, so when its KV costs more time than its FLOPs decode stays memory-bound.
+    """
+    params = config.num_parameters()
+    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    weight_time = params * dtype_bytes / tp / device.bandwidth_bytes_per_s
+    flops_time_per_seq = 2 * params / (tp * device.flops_per_s)
+    kv_time_per_seq = seq_len * kv_per_token / device.bandwidth_bytes_per_s
+    margin = flops_time_per_seq - kv_time_per_seq
+    return weight_time / margin if margin > 0 else None
+
+
+def min_tensor_parallel(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
+                        kv_dtype_bytes: int, seq_len: int, batch: int,
+                        activation_reserve: float) -> int | None:
+    """Fewest devices (a power of two) that hold the weights plus ``batch`` sequences' KV."""
+    reserve = _reserve_bytes(device, activation_reserve)
+    weight_bytes = config.num_parameters() * dtype_bytes
+    tp = 1
+    while tp <= MAX_TP:
+        tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp)
+        if tokens >= batch * seq_len:
+            return tp
+        tp *= 2
+    return None
+
+
+def _validate(dtype_bytes: int, kv_dtype_bytes: int, seq_len: int, batch: int,
+              tp: int) -> None:
+    checks = (
+        (dtype_bytes > 0, "--dtype", "bytes per weight > 0", dtype_bytes),
+        (kv_dtype_bytes > 0, "--kv-dtype", "bytes per KV element > 0", kv_dtype_bytes),
+        (seq_len >= 1, "--seq-len", ">= 1", seq_len),
+        (batch >= 1, "--batch", ">= 1", batch),
+        (tp >= 1 and tp & (tp - 1) == 0, "--tp", "a power of two >= 1", tp),
+    )
+    for ok, flag, allowed, value in checks:
+        if not ok:
+            raise ValueError(f"{flag} must be {allowed}, got {value!r}")
+
+
+def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
+                  kv_dtype_bytes: int, seq_len: int, batch: int, activation_reserve: float,
+                  tp: int = 1) -> CapacityPlan:
+    """Weights, KV capacity and decode bounds of ``model_config`` on ``tp`` x ``device``.
+
+    ``activation_reserve`` is a fraction of device memory when below 1, else bytes; it is
+    held back on every device for activations, workspace and the runtime.
+    """
+    _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch, tp)
+    config = model_config
+    reserve = _reserve_bytes(device, activation_reserve)
+    params = config.num_parameters()
+    weight_bytes = params * dtype_bytes
+    budget = _kv_budget(device, weight_bytes, reserve, tp)
+    kv_tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp)
+    max_seqs = kv_tokens // seq_len
+    at_max = (decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, max_seqs, tp)
+              if max_seqs > 0 else None)
+    min_tp = min_tensor_parallel(config, device, dtype_bytes, kv_dtype_bytes, seq_len, batch,
+                                 activation_reserve)
+    return CapacityPlan(
+        num_parameters=params,
+        tp=tp,
+        seq_len=seq_len,
+        weight_bytes=weight_bytes,
+        weight_bytes_per_device=weight_bytes / tp,
+        kv_bytes_per_token=config.kv_bytes_per_token(kv_dtype_bytes),
+        kv_bytes_per_token_per_device=_kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp),
+        activation_reserve_bytes=reserve,
+        kv_budget_bytes=max(0.0, budget),
+        weights_fit=budget > 0,
+        kv_tokens=kv_tokens,
+        max_concurrent_seqs=max_seqs,
+        ops_per_byte=device.ops_per_byte,
+        decode=decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, batch, tp),
+        decode_at_max_concurrency=at_max,
+        compute_bound_batch=compute_bound_batch(config, device, dtype_bytes, kv_dtype_bytes,
+                                                seq_len, tp),
+        compute_bound_batch_weights_only=device.ops_per_byte * dtype_bytes / 2,
+        min_tp=min_tp,
+        min_tp_divides_kv_heads=(min_tp is not None
+                                 and config.num_key_value_heads % min_tp == 0),
+    )

@@ -1,0 +1,151 @@
+"""SchedulerOutput -> tensors -> one forward pass -> sampled tokens.
+
+The runner never decides who runs. It keeps, per request, the tokens it feeds the model and
+the sampler's state; it lays out the step's tokens flat and unpadded (decodes first, then
+prefill chunks), computes positions and KV slots, and samples only where a request reached
+the end of its input.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+from conveyor.config import CacheConfig, ModelConfig
+from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.model.llama import CausalLM
+from conveyor.runner.sampler import Sampler, SamplingState, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheLayout:
+    """How the KV memory budget becomes blocks."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @classmethod
+    def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype
+                    ) -> KVCacheLayout:
+        per_token = model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        num_blocks = cache.kv_cache_memory // (per_token * cache.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
+                             f"{cache.block_size} tokens at {per_token} bytes per token")
+        return cls(num_blocks, cache.block_size, per_token)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
+                 seed: int = 0) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = layout.block_size
+        dtype = model.embed_tokens.weight.dtype
+        # kv_caches: [layers, 2 (K, V), slots, KVH, D]
+        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, layout.num_tokens,
+                                     cfg.num_key_value_heads, cfg.head_dim,
+                                     dtype=dtype, device=device)
+        self.sampler = Sampler(device, seed)
+        self.states: dict[str, SamplingState] = {}
+        self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids | out.preempted_request_ids:
+            self.states.pop(request_id, None)
+            self.tokens.pop(request_id, None)
+        for new in out.new_requests:
+            p = new.sampling_params
+            self.tokens[new.request_id] = list(new.all_token_ids)
+            self.states[new.request_id] = SamplingState(
+                p, list(new.all_token_ids[:new.num_prompt_tokens]),
+                list(new.all_token_ids[new.num_prompt_tokens:]),
+                make_generator(p, self.device))
+        if out.is_empty:
+            return ModelRunnerOutput({})
+        # Decodes (one query token) first: the attention backend batches them together.
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        samplers = [s for s in batch if s.samples]
+        if not samplers:
+            return ModelRunnerOutput({})
+        ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
+        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        states = [self.states[s.request_id] for s in samplers]
+        token_ids, logprobs = self.sampler(logits, states)
+        result = ModelRunnerOutput({})
+        for s, state, token, lp in zip(samplers, states, token_ids, logprobs, strict=True):
+            state.output_token_ids.append(token)
+            self.tokens[s.request_id].append(token)
+            result.sampled_token_ids[s.request_id] = token
+            if lp is not None:
+                result.logprobs[s.request_id] = lp
+        return result
+
+    def _prepare(self, batch: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        prefills: list[PrefillChunk] = []
+        num_decodes = 0
+        for s in batch:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            ids.extend(self.tokens[s.request_id][start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(s.block_ids)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if s.num_new_tokens == 1:
+                num_decodes += 1
+            else:
+                context = None
+                if start > 0:
+                    ctx = np.arange(end)
+                    context = torch.from_numpy(table[ctx // bs] * bs + ctx % bs).to(self.device)
+                prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
+                                             start, context))
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)
+        slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        decode_slots, decode_mask = self._decode_context(batch[:num_decodes])
+        meta = AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+        return input_ids, positions, meta
+
+    def _decode_context(self, decodes: list[ScheduledRequest]
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Flat slots [B, max_ctx] of each decode's context and the mask of real positions."""
+        if not decodes:
+            return None, None
+        bs = self.block_size
+        ctx_lens = np.array([s.num_computed_tokens + 1 for s in decodes])
+        max_blocks = -(-int(ctx_lens.max()) // bs)
+        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        for i, s in enumerate(decodes):
+            n = min(len(s.block_ids), max_blocks)
+            tables[i, :n] = s.block_ids[:n]
+        slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(decodes), -1)
+        max_ctx = int(ctx_lens.max())
+        slots = slots[:, :max_ctx]
+        mask = np.arange(max_ctx)[None, :] < ctx_lens[:, None]
+        return (torch.from_numpy(np.ascontiguousarray(slots)).to(self.device),
+                torch.from_numpy(mask).to(self.device).view(len(decodes), 1, 1, max_ctx))

@@ -1,0 +1,134 @@
+"""Turn one step's logits into one token per sampling request.
+
+Batched where requests agree (greedy rows take an argmax; top-k/top-p/min-p filter the whole
+batch with per-row parameters); per-request where they must differ: a seeded request draws
+its noise from its own generator, so its samples do not depend on what else is in the batch.
+Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), equivalent to drawing from
+p and cheap to batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.core.outputs import Logprob
+from conveyor.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What the sampler keeps per request between steps."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # seeded requests only
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.seed is None or params.greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]
+                 ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """logits: [S, V] float32, one row per state -> (token ids, logprobs or None each)."""
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in states):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, states)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample(logits.index_select(0, idx), [states[i] for i in random_rows])
+            tokens.index_copy_(0, idx, sampled)
+        token_list: list[int] = tokens.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(states)
+        if raw_logprobs is not None:
+            for i, state in enumerate(states):
+                if state.params.logprobs is not None:
+                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i],
+                                                state.params.logprobs)
+        return token_list, logprobs
+
+    def _apply_penalties(self, logits: torch.Tensor,
+                         states: list[SamplingState]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            p = states[i].params
+            out_ids = torch.tensor(states[i].output_token_ids, dtype=torch.long,
+                                   device=logits.device)
+            row = logits[i]
+            if p.repetition_penalty != 1:
+                seen = torch.tensor(states[i].prompt_token_ids + states[i].output_token_ids,
+                                    dtype=torch.long, device=logits.device).unique()
+                values = row.index_select(0, seen)
+                values = torch.where(values > 0, values / p.repetition_penalty,
+                                     values * p.repetition_penalty)
+                row.index_copy_(0, seen, values)
+            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """logits: [R, V] for non-greedy rows -> sampled ids [R]."""
+        device = logits.device
+        temps = torch.tensor([s.params.temperature for s in states], device=device)
+        logits = logits / temps.unsqueeze(1)
+        if any(s.params.top_k > 0 for s in states):
+            logits = _top_k(logits, [s.params.top_k for s in states])
+        if any(s.params.top_p < 1 for s in states):
+            logits = _top_p(logits, torch.tensor([s.params.top_p for s in states], device=device))
+        probs = torch.softmax(logits, dim=-1)
+        if any(s.params.min_p > 0 for s in states):
+            min_p = torch.tensor([s.params.min_p for s in states], device=device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                noise[i].exponential_(generator=state.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.tensor([k if k > 0 else vocab for k in ks], device=logits.device).clamp(max=vocab)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop a token when the mass before it already reaches top_p (the top token always stays).
+    drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _top_logprobs(logprobs: torch.Tensor, sampled: int, n: int) -> dict[int, Logprob]:
+    """The sampled token's logprob and the top-n, with ranks (1 = most likely)."""
+    result: dict[int, Logprob] = {}
+    sampled_lp = logprobs[sampled]
+    rank = int((logprobs > sampled_lp).sum()) + 1
+    result[sampled] = Logprob(float(sampled_lp), rank)
+    if n > 0:
+        values, ids = logprobs.topk(n)
+        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
+            result.setdefault(t, Logprob(v, r))
+    return result

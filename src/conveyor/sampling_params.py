@@ -1,0 +1,103 @@
+"""How to sample one request's output, validated at construction (vLLM's field names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Bounds on what one request may ask for: they keep one request from hogging the engine.
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping parameters for one request.
+
+    ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples reproducible
+    whatever else shares its batch. ``stop`` strings are not included in the output text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled one too)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string for convenience; store tuples (frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        else:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+               f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(-2 <= self.presence_penalty <= 2,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(-2 <= self.frequency_penalty <= 2,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(0 < self.repetition_penalty <= 2,
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                   f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None:
+            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                   f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    def replace(self, **changes: object) -> SamplingParams:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

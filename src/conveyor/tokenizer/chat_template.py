@@ -1,0 +1,71 @@
+"""Render a model's Jinja chat template the way transformers' apply_chat_template does."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """The template itself raised (raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters; HF templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    # trim_blocks + lstrip_blocks, loop controls, and these helpers: as transformers sets up.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja: {e}") from e
+
+
+def validate_messages(messages: object) -> None:
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        if "content" not in message and "tool_calls" not in message:
+            raise ValueError(f"messages[{i}] needs a 'content'")
+
+
+def render_chat_template(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         **variables: Any) -> str:
+    """The prompt text; ValueError when the messages are malformed or the template fails."""
+    validate_messages(messages)
+    template = compile_template(source)
+    try:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **variables)
+    except TemplateError as e:
+        raise ValueError(f"the chat template rejected the messages: {e}") from e
+    except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
+        raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from e

@@ -1,0 +1,250 @@
+"""Text <-> token ids, from a GGUF file's vocabulary or an HF tokenizer.json.
+
+Both are served by the `tokenizers` library (Rust): a GGUF vocabulary is rebuilt as the BPE
+model llama.cpp runs, with the pre-tokenizer regex llama.cpp uses for `tokenizer.ggml.pre`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.models import BPE
+
+from conveyor.tokenizer.chat_template import render_chat_template
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer splits, as llama.cpp's llama-vocab.cpp (and the models' own tokenizer.json) do.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral")
+_QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "megrez")
+_DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in _LLAMA3_PRES:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre in _QWEN2_PRES:
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_PRES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    return gpt2  # "gpt2", "default" and unknown names: GPT-2's regex
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, _, right = merge.partition(" ")
+        pairs.append((left, right))
+    return pairs
+
+
+def _byte_level_model(tokens: list[str], merges: list[str], pre: str | None) -> RustTokenizer:
+    alphabet = set(_bytes_to_unicode().values())
+    spelling = _bytes_to_unicode()
+    # A few converters store a token in plain UTF-8 rather than the byte alphabet; respell it.
+    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
+             for i, tok in enumerate(tokens)}
+    pairs = _merge_pairs(merges)
+    # llama.cpp (and Llama 3's tokenizer.json) take a whole pre-token that is in the vocab as is.
+    model = BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_PRES)
+    tok = RustTokenizer(model)
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    if pre in _QWEN2_PRES:
+        tok.normalizer = normalizers.NFC()
+    return tok
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary: best-scored merged piece first."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges: list[tuple[float, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((score, left, right))
+    merges.sort(key=lambda m: (-m[0], vocab[m[1]], vocab[m[2]]))
+    return [(left, right) for _, left, right in merges]
+
+
+def _sentencepiece_model(tokens: list[str], scores: list[float], merges: list[str] | None,
+                         unk_id: int | None, add_space_prefix: bool) -> RustTokenizer:
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = _merge_pairs(merges) if merges else _sentencepiece_merges(tokens, scores)
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = RustTokenizer(BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True,
+                            byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _token_content(value: object) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """Encode/decode, special token ids and the chat template of one model."""
+
+    def __init__(self, backend: RustTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Sequence[int], add_bos_token: bool = False,
+                 add_eos_token: bool = False, chat_template: str | None = None) -> None:
+        self._tok = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf(cls, reader_or_path: GGUFReader | str) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file describes (tokenizer.ggml.* metadata)."""
+        reader = (reader_or_path if isinstance(reader_or_path, GGUFReader)
+                  else GGUFReader(reader_or_path, "r"))
+        tokens = list(_field(reader, "tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise ValueError("this GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+        kind = _field(reader, "tokenizer.ggml.model")
+        unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+        if kind == "gpt2":
+            backend = _byte_level_model(tokens, list(_field(reader, "tokenizer.ggml.merges", [])),
+                                        _field(reader, "tokenizer.ggml.pre"))
+            add_bos_default = False
+        elif kind == "llama":
+            backend = _sentencepiece_model(
+                tokens, list(_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))),
+                _field(reader, "tokenizer.ggml.merges"), unk_id,
+                bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+            add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2, llama")
+        types = list(_field(reader, "tokenizer.ggml.token_type") or [])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, kind_ in zip(tokens, types, strict=False)
+                                    if kind_ == TOKEN_TYPE_CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind_ in zip(tokens, types, strict=False)
+                            if kind_ == TOKEN_TYPE_USER_DEFINED])
+        eos = [_field(reader, f"tokenizer.ggml.{n}_token_id") for n in ("eos", "eot")]
+        return cls(backend,
+                   bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=[int(i) for i in eos if i is not None],
+                   add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token",
+                                             add_bos_default)),
+                   add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+                   chat_template=_field(reader, "tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf(cls, folder: str) -> Tokenizer:
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of an HF folder."""
+        import json
+
+        backend = RustTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        config: dict[str, Any] = {}
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        bos, eos = _token_content(config.get("bos_token")), _token_content(config.get("eos_token"))
+        bos_id = backend.token_to_id(bos) if bos else None
+        eos_id = backend.token_to_id(eos) if eos else None
+        # With a post-processor, tokenizer.json adds BOS itself (Llama 3); otherwise follow the flag.
+        add_bos = backend.post_processor is None and bool(config.get("add_bos_token", False))
+        add_eos = backend.post_processor is None and bool(config.get("add_eos_token", False))
+        return cls(backend, bos_token_id=bos_id,
+                   eos_token_ids=[eos_id] if eos_id is not None else [],
+                   add_bos_token=add_bos, add_eos_token=add_eos, chat_template=template)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS/EOS only when the model asks for them."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The raw vocabulary string of one id (byte-level spelling), for logprobs display."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range [0, {self.vocab_size})")
+        return token
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for a conversation, rendered with the model's own template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain completion prompt "
+                             "instead")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                    **kwargs)

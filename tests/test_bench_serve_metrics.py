@@ -1,0 +1,236 @@
+"""`conveyor bench serve` without a server: metrics arithmetic, datasets, arrivals, parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conveyor.bench.datasets import (
+    PROMPT_WORDS,
+    DatasetConfig,
+    SkewedMix,
+    load_sharegpt_requests,
+    sample_random_requests,
+    sample_requests,
+    sample_skewed_requests,
+)
+from conveyor.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_table,
+    latency_stats,
+    meets_slos,
+    metrics_to_dict,
+    parse_goodput,
+    peak_concurrency,
+)
+from conveyor.bench.serve import BenchmarkConfig, arrivals, build_payload, chunk_text
+
+
+def _record(
+    start: float, ttft: float, itl: list[float], out: int, prompt: int = 10
+) -> RequestRecord:
+    latency = ttft + sum(itl)
+    return RequestRecord(
+        success=True, prompt_len=prompt, output_tokens=out, ttft=ttft, itl=itl,
+        latency=latency, start_time=start, end_time=start + latency,
+    )
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_tpot_definition() -> None:
+    r = _record(0.0, 0.1, [0.02, 0.03, 0.05], out=5)
+    assert r.ttft <= r.latency
+    assert r.tpot == pytest.approx((0.2 - 0.1) / 4)
+    assert _record(0.0, 0.1, [], out=1).tpot is None
+
+
+def test_compute_metrics_counts_and_throughputs() -> None:
+    records = [
+        _record(0.0, 0.1, [0.01] * 9, out=10, prompt=100),
+        _record(0.5, 0.2, [0.02] * 4, out=5, prompt=50),
+        RequestRecord(success=False, prompt_len=77, start_time=0.2, end_time=0.3, error="boom"),
+    ]
+    m = compute_metrics(records, duration_s=2.0)
+    assert (m.completed, m.failed) == (2, 1)
+    assert m.completed + m.failed == len(records)
+    assert m.total_input_tokens == 150  # failed request's prompt not counted
+    assert m.total_output_tokens == 15
+    assert m.request_throughput == pytest.approx(1.0)
+    assert m.output_throughput == pytest.approx(7.5)
+    assert m.total_token_throughput == pytest.approx(82.5)
+    assert m.ttft.mean_ms == pytest.approx(150.0)
+    assert m.ttft.mean_ms <= m.e2el.mean_ms
+    # ITL pools every gap of every successful request: 9 of 10 ms and 4 of 20 ms.
+    assert m.itl.mean_ms == pytest.approx((9 * 10 + 4 * 20) / 13)
+    assert m.tpot.mean_ms == pytest.approx((10.0 + 20.0) / 2)
+    assert m.e2el.median_ms == pytest.approx((190.0 + 280.0) / 2)
+    assert m.request_goodput is None
+
+
+def test_latency_stats_percentiles_and_empty() -> None:
+    s = latency_stats([i / 1000 for i in range(1, 101)], [50, 90, 99])
+    assert s.mean_ms == pytest.approx(50.5)
+    assert s.median_ms == pytest.approx(50.5)
+    assert s.percentiles_ms[90.0] == pytest.approx(np.percentile(np.arange(1, 101), 90))
+    assert s.percentiles_ms[50.0] <= s.percentiles_ms[90.0] <= s.percentiles_ms[99.0] <= 100.0
+    empty = latency_stats([], [99])
+    assert (empty.mean_ms, empty.percentiles_ms[99.0]) == (0.0, 0.0)
+
+
+def test_peak_concurrency() -> None:
+    assert peak_concurrency([]) == 0
+    assert peak_concurrency([(0, 1), (2, 3)]) == 1
+    assert peak_concurrency([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3
+    # Touching intervals: one ends exactly when the next starts, never both in flight.
+    assert peak_concurrency([(0, 1), (1, 2), (2, 3)]) == 1
+    assert compute_metrics([_record(float(i), 0.1, [0.1], 2) for i in range(4)], 5.0) \
+        .peak_concurrency == 1
+
+
+def test_goodput() -> None:
+    fast = _record(0.0, 0.05, [0.01] * 9, out=10)  # ttft 50 ms, tpot 10 ms, e2el 140 ms
+    slow_start = _record(0.0, 0.5, [0.01] * 9, out=10)  # ttft 500 ms
+    one_token = _record(0.0, 0.05, [], out=1)  # no TPOT: only ttft/e2el apply
+    failed = RequestRecord(success=False, error="x")
+    slos = parse_goodput(["ttft:100", "tpot:20"])
+    assert slos == {"ttft": 100.0, "tpot": 20.0}
+    assert meets_slos(fast, slos) and meets_slos(one_token, slos)
+    assert not meets_slos(slow_start, slos) and not meets_slos(failed, slos)
+    assert not meets_slos(fast, {"e2el": 100.0})
+    m = compute_metrics([fast, slow_start, one_token, failed], 2.0, goodput_slos_ms=slos)
+    assert m.request_goodput == pytest.approx(1.0)
+    assert "Request goodput (req/s):" in format_table(m)
+
+
+@pytest.mark.parametrize("bad", ["ttft", "foo:3", "ttft:abc", "tpot:-1"])
+def test_parse_goodput_rejects(bad: str) -> None:
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_goodput([bad])
+
+
+def test_table_and_dict_keys() -> None:
+    m = compute_metrics([_record(0.0, 0.1, [0.01, 0.02], 3)], 1.0, percentiles=[50, 99.9])
+    table = format_table(m)
+    for label in ("Successful requests:", "Mean TTFT (ms):", "P99.9 ITL (ms):",
+                  "Median E2EL (ms):", "Peak concurrent requests:"):
+        assert label in table
+    assert "goodput" not in table
+    d = metrics_to_dict(m)
+    assert {"mean_ttft_ms", "p50_tpot_ms", "p99.9_itl_ms", "std_e2el_ms"} <= d.keys()
+    json.dumps(d)
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_random_lengths_in_range_and_seeded() -> None:
+    reqs = sample_random_requests(200, input_len=100, output_len=40, range_ratio=0.25, seed=7)
+    assert len(reqs) == 200
+    assert all(75 <= r.prompt_len_hint <= 125 and 30 <= r.output_len <= 50 for r in reqs)
+    assert all(len(r.prompt.split()) == r.prompt_len_hint for r in reqs)
+    assert all(w in PROMPT_WORDS for w in reqs[0].prompt.split())
+    assert len({r.output_len for r in reqs}) > 5  # actually spread, not constant
+    assert reqs == sample_random_requests(200, 100, 40, 0.25, seed=7)
+    assert reqs != sample_random_requests(200, 100, 40, 0.25, seed=8)
+    fixed = sample_random_requests(10, 16, 8, seed=0)
+    assert {(r.prompt_len_hint, r.output_len) for r in fixed} == {(16, 8)}
+    assert len({r.prompt for r in fixed}) == 10  # distinct prompts: no accidental prefix hits
+
+
+def test_skewed_fractions() -> None:
+    reqs = sample_skewed_requests(100, seed=3)
+    long = [r for r in reqs if r.output_len == 256]
+    short = [r for r in reqs if r.output_len != 256]
+    assert len(long) == 20 and len(short) == 80
+    assert all(16 <= r.output_len <= 64 for r in short)
+    assert all(50 <= r.prompt_len_hint <= 300 for r in reqs)
+    assert reqs == sample_skewed_requests(100, seed=3)
+    custom = sample_skewed_requests(50, SkewedMix(long_fraction=0.5, long_output_len=512), seed=1)
+    assert sum(r.output_len == 512 for r in custom) == 25
+    with pytest.raises(ValueError, match="long_fraction"):
+        SkewedMix(long_fraction=1.5)
+
+
+def test_sharegpt(tmp_path: Path) -> None:
+    words = "one two three four five six seven eight nine ten"
+    data = [
+        {"conversations": [{"from": "human", "value": words}, {"from": "gpt", "value": words * 2}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": words}]},
+        {"conversations": [{"from": "human", "value": words}]},  # no answer: skipped
+        {"id": "no conversations"},
+    ] + [
+        {"conversations": [{"from": "human", "value": f"{words} {i}"},
+                           {"from": "gpt", "value": words}]}
+        for i in range(5)
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    reqs = load_sharegpt_requests(path, num_prompts=6, seed=0)
+    assert len(reqs) == 6
+    assert all(r.prompt != "hi" for r in reqs)  # under MIN_SHAREGPT_TOKENS
+    assert {r.output_len for r in reqs} <= {13, 25}  # 10 words * 1.3, 19 words * 1.3
+    assert reqs == load_sharegpt_requests(path, 6, seed=0)
+    assert {r.output_len for r in load_sharegpt_requests(path, 3, 0, output_len=7)} == {7}
+    with pytest.raises(ValueError, match="usable"):
+        load_sharegpt_requests(path, num_prompts=7)
+    cfg = DatasetConfig(name="sharegpt", num_prompts=2, dataset_path=str(path))
+    assert len(sample_requests(cfg)) == 2
+
+
+def test_dataset_config_validation() -> None:
+    with pytest.raises(ValueError, match="dataset_path"):
+        DatasetConfig(name="sharegpt")
+    with pytest.raises(ValueError, match="range_ratio"):
+        DatasetConfig(range_ratio=1.0)
+    with pytest.raises(ValueError, match="dataset must be"):
+        DatasetConfig(name="nope")
+
+
+# ---------------------------------------------------------------- client pieces
+
+
+def test_payload_and_chunk_text() -> None:
+    req = sample_random_requests(1, 4, 9)[0]
+    comp = build_payload(BenchmarkConfig("http://x", ignore_eos=True), "m", req)
+    assert comp["prompt"] == req.prompt and comp["max_tokens"] == 9
+    assert comp["stream"] is True and comp["stream_options"] == {"include_usage": True}
+    assert comp["ignore_eos"] is True
+    chat = build_payload(BenchmarkConfig("http://x", endpoint="/v1/chat/completions"), "m", req)
+    assert chat["messages"] == [{"role": "user", "content": req.prompt}]
+    assert "ignore_eos" not in chat and "prompt" not in chat
+    assert chunk_text({"choices": [{"text": " a b"}]}, chat=False) == " a b"
+    assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) == ""
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=True) == ""
+
+
+def test_benchmark_config_validation() -> None:
+    with pytest.raises(ValueError, match="endpoint"):
+        BenchmarkConfig("http://x", endpoint="/v1/embeddings")
+    with pytest.raises(ValueError, match="request_rate"):
+        BenchmarkConfig("http://x", request_rate=0.0)
+    with pytest.raises(ValueError, match="url"):
+        BenchmarkConfig("localhost:8000")
+
+
+def test_arrivals_rate() -> None:
+    reqs = sample_random_requests(40, 2, 2)
+
+    async def collect(rate: float, burstiness: float) -> float:
+        start = time.perf_counter()
+        got = [r async for r in arrivals(reqs, rate, burstiness, seed=0)]
+        assert got == reqs
+        return time.perf_counter() - start
+
+    assert asyncio.run(collect(math.inf, 1.0)) < 0.05
+    # 39 gaps of mean 1/400 s ≈ 0.1 s; wide bounds for a loaded machine.
+    assert 0.03 < asyncio.run(collect(400.0, 1.0)) < 1.0
+    assert 0.03 < asyncio.run(collect(400.0, 0.5)) < 1.0

