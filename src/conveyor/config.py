@@ -13,6 +13,9 @@ from typing import Any
 
 GiB = 1 << 30
 
+# Scheduling policies (core/policy.py registers one class per name).
+POLICIES = ("fcfs", "priority", "fair")
+
 # Architectures the model package implements (HF `model_type` / GGUF `general.architecture`).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -41,6 +44,22 @@ def parse_memory(value: int | float | str) -> int:
     if m.group(2) is None and number < 1024:
         scale = GiB
     return int(number * scale)
+
+
+def parse_tenant_weights(spec: str) -> dict[str, float]:
+    """"alice=2,bob=1" -> {"alice": 2.0, "bob": 1.0}."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name or weight <= 0:
+            raise ValueError(f"tenant_weights must look like 'alice=2,bob=1' with positive "
+                             f"weights, got {spec!r}")
+        weights[name] = weight
+    return weights
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,10 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 * GiB  # bytes for K and V of all layers
     enable_prefix_caching: bool = True
+    swap_space: int = 4 * GiB  # host memory for swapped-out blocks (preemption="swap")
 
     def __post_init__(self) -> None:
+        _require(self.swap_space >= 0, "swap_space", ">= 0 bytes", self.swap_space)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  "a power of two in [1, 256]", self.block_size)
         _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
@@ -116,8 +137,26 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority" | "fair"
+    preemption: str = "recompute"  # "recompute" | "swap"
+    scheduling: str = "continuous"  # "continuous" | "static" (baseline)
+    kv_allocation: str = "paged"  # "paged" | "reserve" (baseline: max_model_len up front)
+    # priority policy: a waiting request gains one priority level per this many steps
+    priority_aging_steps: int = 64
+    # fair policy: "tenant=weight,..." (others weigh 1)
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
+        _require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
+        _require(self.preemption in ("recompute", "swap"), "preemption",
+                 "recompute or swap", self.preemption)
+        _require(self.scheduling in ("continuous", "static"), "scheduling",
+                 "continuous or static", self.scheduling)
+        _require(self.kv_allocation in ("paged", "reserve"), "kv_allocation",
+                 "paged or reserve", self.kv_allocation)
+        _require(self.priority_aging_steps >= 1, "priority_aging_steps", ">= 1",
+                 self.priority_aging_steps)
+        parse_tenant_weights(self.tenant_weights)
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
                  self.max_num_batched_tokens)
@@ -149,7 +188,14 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    policy: str = "fcfs"  # admission order and preemption victims
+    policy: str = "fcfs"  # fcfs | priority | fair: admission order and preemption victims
+    preemption: str = "recompute"  # recompute | swap, when KV blocks run out
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    scheduling: str = "continuous"  # continuous | static (the head-of-line-blocking baseline)
+    kv_allocation: str = "paged"  # paged | reserve (max_model_len per request, the baseline)
+    priority_aging_steps: int = 64  # priority policy: one level more urgent per N steps waited
+    tenant_weights: str = ""  # fair policy: "alice=2,bob=1"
+    step_trace: bool = False  # record per-step scheduling decisions (engine.step_trace)
     served_model_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -171,11 +217,16 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
                            kv_cache_memory=parse_memory(self.kv_cache_memory),
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           swap_space=int(self.swap_space * GiB))
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len,
-                               enable_chunked_prefill=self.enable_chunked_prefill)
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               policy=self.policy, preemption=self.preemption,
+                               scheduling=self.scheduling, kv_allocation=self.kv_allocation,
+                               priority_aging_steps=self.priority_aging_steps,
+                               tenant_weights=self.tenant_weights)

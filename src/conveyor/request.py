@@ -62,6 +62,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
+    output_len_at_preemption: int = -1  # outputs at the last preemption (-1: never)
+    swapped_out: bool = False  # its KV waits in host memory (preemption="swap")
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:
@@ -95,15 +97,17 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> RequestStatus | None:
-        """Stop on length, EOS or a stop token id (stop strings are the engine's job)."""
+        """Stop on EOS or a stop token id (past min_tokens), else on length.
+
+        Stop strings are the engine's job: they need text.
+        """
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        params = self.sampling_params
-        if self.num_output_tokens < params.min_tokens:
-            return None
-        last = self.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
         return None

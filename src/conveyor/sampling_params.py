@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 # Bounds on what one request may ask for: they keep one request from hogging the engine.
 MAX_N = 16
 MAX_LOGPROBS = 20
+# torch generators take seeds below 2**64; sample i of n uses seed + i.
+MAX_SEED = 2**63 - 1
 
 
 def _check(cond: bool, message: str) -> None:
@@ -59,6 +62,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and not isinstance(value, bool)
+                   and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N,
                f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
@@ -81,7 +89,8 @@ class SamplingParams:
             _check(self.min_tokens <= self.max_tokens,
                    f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+            _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
+                   f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
                    f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

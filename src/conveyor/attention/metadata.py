@@ -19,15 +19,17 @@ class PrefillChunk:
     query_start: int  # offset of its first token in the flattened batch
     query_len: int  # tokens computed this step
     num_computed_tokens: int  # tokens already in the cache before this step (its prefix)
-    context_slots: torch.Tensor | None  # [num_computed + query_len] cache slots; None if no prefix
+    # [num_blocks] int64 block table covering the prefix and the chunk; None if no prefix
+    # (then the chunk attends to its own fresh K/V only).
+    block_table: torch.Tensor | None
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot written by each token
     num_decodes: int  # the first num_decodes tokens are decodes, one per request
-    # [num_decodes, max_context] int64 flat slots of each decode's context (padding -> slot 0)
-    decode_context_slots: torch.Tensor | None
-    # [num_decodes, 1, 1, max_context] bool: True where the context position is real
+    # [num_decodes, max_blocks] int64 block tables of the decodes (padding -> block 0)
+    decode_block_tables: torch.Tensor | None
+    # [num_decodes, 1, 1, max_blocks * block_size] bool: True where the position is real
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]

@@ -15,11 +15,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """Block tables of live requests, plus host blocks of swapped-out ones.
+
+    ``reserve_tokens`` (the ``kv_allocation="reserve"`` baseline) makes a request's first
+    allocation take blocks for that many tokens up front, as contiguous per-slot allocation
+    must without knowing the output length; ``None`` allocates blocks on demand (paged).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_swap_blocks: int = 0, reserve_tokens: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.reserve_tokens = reserve_tokens
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[str, list[int]] = {}
+        self.num_swap_blocks = num_swap_blocks
+        self._free_host_blocks = list(range(num_swap_blocks - 1, -1, -1))
+        self.swapped: dict[str, list[int]] = {}  # request id -> host blocks, in table order
         # Per request: hashes of its full blocks so far (the chain), for registration.
         self._hashes: dict[str, list[BlockHash]] = {}
 
@@ -64,9 +76,12 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        self.pool.stats.queries += request.num_tokens
-        self.pool.stats.hits += len(block_ids) * self.block_size
         return block_ids, len(block_ids) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry while it waits)."""
+        self.pool.stats.queries += num_tokens
+        self.pool.stats.hits += num_hit_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed_blocks: list[int] | None = None) -> bool:
@@ -77,7 +92,7 @@ class KVCacheManager:
                             computed_blocks: list[int]) -> int:
         table = self.block_tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table) \
+        new_blocks = self._target_blocks(num_computed + num_new_tokens) - len(table) \
             - len(computed_blocks)
         # Touching an idle cached block takes it out of the free queue too.
         idle_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
@@ -99,11 +114,43 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(table)
+        needed = self._target_blocks(num_computed + num_new_tokens) - len(table)
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         self._register_full_blocks(request, num_computed + num_new_tokens)
         return table
+
+    def _target_blocks(self, num_tokens: int) -> int:
+        if self.reserve_tokens is not None:
+            num_tokens = max(num_tokens, self.reserve_tokens)
+        return self.blocks_needed(num_tokens)
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.block_tables.get(request.request_id, [])) <= len(self._free_host_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move a request's KV to host blocks; returns (device, host) copies to run."""
+        table = self.block_tables.pop(request.request_id)
+        host = [self._free_host_blocks.pop() for _ in table]
+        self.swapped[request.request_id] = host
+        self.pool.free(list(reversed(table)))
+        return list(zip(table, host, strict=True))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back with room for ``num_new_tokens`` more; returns the
+        (host, device) copies to run, or None (and no change) if blocks are short."""
+        host = self.swapped[request.request_id]
+        needed = max(self._target_blocks(request.num_computed_tokens + num_new_tokens),
+                     len(host))
+        if needed > self.pool.num_free_blocks:
+            return None
+        table = self.pool.allocate(needed)
+        self.block_tables[request.request_id] = table
+        del self.swapped[request.request_id]
+        self._free_host_blocks.extend(host)
+        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return list(zip(host, table, strict=False))
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish blocks that will be full once this step's tokens are computed.
@@ -121,6 +168,7 @@ class KVCacheManager:
         """Release a request's blocks, last block first (its tail is evicted first)."""
         table = self.block_tables.pop(request.request_id, [])
         self.pool.free(list(reversed(table)))
+        self._free_host_blocks.extend(self.swapped.pop(request.request_id, []))
         self._hashes.pop(request.request_id, None)
 
     def num_live_requests(self) -> int:
@@ -131,3 +179,9 @@ class KVCacheManager:
         owned = sum(len(t) for t in self.block_tables.values())
         referenced = sum(b.ref_count for b in self.pool.blocks)
         assert owned == referenced, f"{owned} table entries vs {referenced} references"
+        held = sum(len(h) for h in self.swapped.values())
+        assert held + len(self._free_host_blocks) == self.num_swap_blocks, "host blocks leaked"
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_blocks)

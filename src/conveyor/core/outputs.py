@@ -19,6 +19,7 @@ class NewRequestData:
     all_token_ids: list[int]  # prompt + outputs so far (a resumed request recomputes them all)
     num_prompt_tokens: int  # penalties count only generated tokens
     sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
 
 
 @dataclass
@@ -43,8 +44,10 @@ class SchedulerOutput:
     # is the input of the next decode; the runner appends it itself).
     finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_request_ids: set[str] = field(default_factory=set)  # runner drops their state
-    # (src_block, dst_block) copies to run before the forward pass (swap-in / copy-on-write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Block copies to run before the forward pass, swap-outs first (a block a swap-out
+    # frees may be reused by a swap-in or written by this very step):
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks
 
     @property
     def total_num_scheduled_tokens(self) -> int:

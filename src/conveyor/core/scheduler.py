@@ -21,7 +21,7 @@ from conveyor.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from conveyor.core.policy import FCFSPolicy, SchedulingPolicy
+from conveyor.core.policy import SchedulingPolicy, make_policy
 from conveyor.request import Request, RequestStatus
 
 # Admission keeps this share of blocks free so newly admitted requests rarely force a
@@ -33,7 +33,10 @@ ADMISSION_WATERMARK = 0.01
 class SchedulerStats:
     num_preemptions: int = 0
     num_preempted_tokens: int = 0  # computed tokens thrown away by preemption (recompute cost)
+    num_swapped_blocks: int = 0  # blocks copied to host memory by swap preemption
     num_steps: int = 0
+    peak_running: int = 0  # most sequences running in one step
+    peak_kv_utilization: float = 0.0  # at that peak: share of allocated KV slots holding tokens
 
 
 class Scheduler:
@@ -41,7 +44,7 @@ class Scheduler:
                  policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.policy = policy or FCFSPolicy()
+        self.policy = policy or make_policy(config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -58,8 +61,9 @@ class Scheduler:
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"request has {request.num_prompt_tokens} input tokens. Please reduce the "
                 "length of the input messages.")
-        worst_case = request.num_prompt_tokens + request.max_tokens
-        blocks = self.kv_cache.blocks_needed(worst_case)
+        # The last sampled token never needs KV, hence the - 1.
+        worst_case = request.num_prompt_tokens + request.max_tokens - 1
+        blocks = self.kv_cache._target_blocks(worst_case)
         if blocks > self.kv_cache.num_blocks:
             raise ValueError(
                 f"the request needs up to {worst_case} tokens of KV cache ({blocks} blocks) but "
@@ -80,8 +84,6 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                self.policy.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(request)
         return aborted
@@ -96,6 +98,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        else:
+            self.policy.remove(request)  # waiting or preempted
         request.status = status
         request.times.finished = time.time()
         self.kv_cache.free(request)
@@ -105,17 +109,20 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, and place their KV."""
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self.policy.begin_step()
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         self._step_id += 1
         self.stats.num_steps += 1
+        self._record_peak(step)
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(step_id=self._step_id, new_requests=step.new_requests,
                                scheduled=list(step.scheduled.values()),
                                finished_request_ids=finished,
-                               preempted_request_ids=step.preempted)
+                               preempted_request_ids=step.preempted,
+                               swap_out=step.swap_out, swap_in=step.swap_in)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         for request in list(self.running):
@@ -131,46 +138,101 @@ class Scheduler:
                 step.add(request, num_new, table)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        while (len(self.running) < self.config.max_num_seqs and step.budget > 0
-               and (request := self.policy.peek()) is not None):
-            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            remaining = request.num_tokens - num_cached
-            num_new = min(remaining, step.budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
-                break
-            blocks = self.kv_cache.blocks_needed(num_cached + num_new)
-            if blocks + self._watermark_blocks - len(computed_blocks) \
-                    > self.kv_cache.num_free_blocks and self.running:
-                break  # keep headroom for running decodes (an idle engine admits anyway)
-            table = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
-            if table is None:
-                break
-            self.policy.pop()
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.time()
-            self.running.append(request)
-            step.new_requests.append(NewRequestData(
-                request_id=request.request_id, all_token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params))
-            step.add(request, num_new, table)
+        if not self._may_admit():
+            return
+        while step.budget > 0 and (request := self.policy.peek()) is not None:
+            while not (len(self.running) < self.config.max_num_seqs
+                       and self._admit(request, step)):
+                # Full (slots or blocks): the policy may displace a less deserving request.
+                victim = self.policy.pick_admission_victim(self.running, request)
+                if victim is None:
+                    return
+                self._preempt(victim, step)
+
+    def _may_admit(self) -> bool:
+        """Continuous batching admits every step. The static baseline admits only while its
+        batch is still forming (nobody has produced a token yet): finished sequences hold
+        their slots until the batch's longest one ends."""
+        if self.config.scheduling == "continuous":
+            return True
+        return all(r.num_output_tokens == 0 for r in self.running)
+
+    def _admit(self, request: Request, step: _StepBuilder) -> bool:
+        """Place the first tokens of a waiting request; False (no change) if they don't fit."""
+        if request.swapped_out:
+            return self._admit_swapped(request, step)
+        computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+        remaining = request.num_tokens - num_cached
+        num_new = min(remaining, step.budget)
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            return False
+        blocks = self.kv_cache.blocks_needed(num_cached + num_new)
+        if self.running and blocks + self._watermark_blocks - len(computed_blocks) \
+                > self.kv_cache.num_free_blocks:
+            return False  # keep headroom for running decodes (an idle engine admits anyway)
+        table = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+        if table is None:
+            return False
+        if request.status == RequestStatus.WAITING:  # first admission, not a resume
+            request.num_cached_tokens = num_cached
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+        request.num_computed_tokens = num_cached
+        self._start_running(request, step)
+        step.add(request, num_new, table)
+        return True
+
+    def _admit_swapped(self, request: Request, step: _StepBuilder) -> bool:
+        num_new = min(request.num_uncomputed_tokens, step.budget)
+        copies = self.kv_cache.swap_in(request, num_new)
+        if copies is None:
+            return False
+        step.swap_in.extend(copies)
+        request.swapped_out = False
+        self._start_running(request, step)
+        step.add(request, num_new, self.kv_cache.block_tables[request.request_id])
+        return True
+
+    def _start_running(self, request: Request, step: _StepBuilder) -> None:
+        self.policy.remove(request)
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.time()
+        self.running.append(request)
+        step.new_requests.append(NewRequestData(
+            request_id=request.request_id, all_token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params, eos_token_ids=request.eos_token_ids))
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
-        """Recompute preemption: free the blocks, requeue, start over on resume."""
+        """Swap the request's KV out to host memory if configured and there is room, else
+        free it (recompute on resume). Either way it waits again, at the policy's front."""
         step.unschedule(request)
         self.running.remove(request)
-        self.kv_cache.free(request)
+        if self.config.preemption == "swap" and self.kv_cache.can_swap_out(request):
+            step.swap_out.extend(self.kv_cache.swap_out(request))
+            request.swapped_out = True
+            self.stats.num_swapped_blocks += len(step.swap_out)
+        else:
+            self.kv_cache.free(request)
+            self.stats.num_preempted_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
         self.stats.num_preemptions += 1
-        self.stats.num_preempted_tokens += request.num_computed_tokens
         request.num_preemptions += 1
-        request.num_computed_tokens = 0
+        request.output_len_at_preemption = request.num_output_tokens
         request.status = RequestStatus.PREEMPTED
         self.policy.requeue(request)
         step.preempted.add(request.request_id)
+
+    def _record_peak(self, step: _StepBuilder) -> None:
+        """Track the most concurrent sequences, and how full their KV blocks were then."""
+        if len(self.running) < self.stats.peak_running:
+            return
+        kv = self.kv_cache
+        used = sum(len(kv.block_tables.get(r.request_id, ())) for r in self.running)
+        tokens = sum(r.num_computed_tokens for r in self.running) + \
+            sum(s.num_new_tokens for s in step.scheduled.values())
+        self.stats.peak_running = len(self.running)
+        self.stats.peak_kv_utilization = tokens / max(used * kv.block_size, 1)
 
     def update(self, scheduler_output: SchedulerOutput,
                runner_output: ModelRunnerOutput) -> list[Request]:
@@ -220,14 +282,18 @@ class Scheduler:
 class _StepBuilder:
     """The step being assembled: scheduled requests in batch order and the budget left."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, policy: SchedulingPolicy) -> None:
         self.budget = budget
+        self.policy = policy
         self.scheduled: dict[str, ScheduledRequest] = {}
         self.new_requests: list[NewRequestData] = []
         self.preempted: set[str] = set()
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
 
     def add(self, request: Request, num_new: int, block_table: list[int]) -> None:
         self.budget -= num_new
+        self.policy.on_scheduled(request, num_new)
         samples = request.num_computed_tokens + num_new == request.num_tokens
         self.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id, num_new_tokens=num_new,
@@ -238,4 +304,5 @@ class _StepBuilder:
         item = self.scheduled.pop(request.request_id, None)
         if item is not None:
             self.budget += item.num_new_tokens
+            self.policy.on_scheduled(request, -item.num_new_tokens)
         self.new_requests = [r for r in self.new_requests if r.request_id != request.request_id]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.policy import make_policy
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
 from conveyor.model.device import resolve_device, resolve_dtype
@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 PromptType = str | dict[str, Any] | list[int]
 
 
+def served_name(model: str | None, path: str) -> str:
+    """The API's model id: the file or folder name without .gguf (the default model too)."""
+    name = os.path.basename(os.path.normpath(path))
+    return name.removesuffix(".gguf") if model is None or path.endswith(".gguf") else name
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -38,18 +44,21 @@ class LLMEngine:
         checkpoint = load_checkpoint(args.model, args.load_format, args.tokenizer)
         self.model_config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model_name = args.served_model_name or checkpoint.path
+        self.model_name = args.served_model_name or served_name(args.model, checkpoint.path)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         weights = None if args.load_format == "dummy" else checkpoint.tensors()
         model = build_model(self.model_config, self.dtype, self.device, weights, args.seed)
         self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
         cache_config = args.cache_config()
-        self.kv_layout = KVCacheLayout.from_budget(self.model_config, cache_config, self.dtype)
-        kv_manager = KVCacheManager(self.kv_layout.num_blocks, cache_config.block_size,
-                                    cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, kv_manager,
-                                   make_policy(args.policy))
+        sched = self.scheduler_config
+        self.kv_layout = KVCacheLayout.from_budget(self.model_config, cache_config, self.dtype,
+                                                   swap=sched.preemption == "swap")
+        kv_manager = KVCacheManager(
+            self.kv_layout.num_blocks, cache_config.block_size,
+            cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
+            reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
+        self.scheduler = Scheduler(sched, kv_manager)
         self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}

@@ -40,9 +40,11 @@ class Sequence:
             self.stop_reason = token_id
         if self.detokenizer is None:
             return None
-        if stopped_on_token and not params.include_stop_str_in_output:
-            return None  # EOS / stop token: its text is not part of the output
-        self.text += self.detokenizer.update([token_id])
+        # An EOS / stop token's own text is not part of the output.
+        if not stopped_on_token or params.include_stop_str_in_output:
+            self.text += self.detokenizer.update([token_id])
+        if status.finished:
+            self.text += self.detokenizer.flush()  # even a trailing incomplete character
         return self._find_stop_string(params)
 
     def _find_stop_string(self, params: SamplingParams) -> str | None:
@@ -103,8 +105,9 @@ class RequestGroup:
         metrics = RequestMetrics(
             arrival_time=times.arrival, first_scheduled_time=times.first_scheduled,
             first_token_time=times.first_token, last_token_time=times.last_token,
-            finished_time=max((s.request.times.finished or 0.0 for s in self.sequences),
-                              default=None) if self.finished else None,
+            finished_time=max((s.request.times.finished for s in self.sequences
+                               if s.request.times.finished is not None), default=None)
+            if self.finished else None,
             num_preemptions=sum(s.request.num_preemptions for s in self.sequences))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,

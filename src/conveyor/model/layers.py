@@ -57,13 +57,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, H, D]; k: [T, KVH, D]."""
-        cos, sin = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, -1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D/2] for these positions, computed once per step for all layers."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, -1)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] rotated by position ("rotate half" layout); cos, sin: [T, 1, D/2]."""
     x1, x2 = x.chunk(2, -1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)

@@ -15,8 +15,7 @@ from torch import nn
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.torch_paged import paged_attention
 from conveyor.config import ModelConfig
-from conveyor.model.layers import RMSNorm, RotaryEmbedding
-
+from conveyor.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 # Std of dummy weights: small enough that activations stay finite through deep stacks.
 DUMMY_INIT_STD = 0.02
@@ -36,16 +35,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
+            q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)
+        else:
+            # q and k are adjacent in the fused output: rotate them in one op.
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], 1)
+        # q: [T, H, D]; k, v: [T, KVH, D]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -69,9 +72,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,10 +94,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: [layers, 2, slots, KVH, D] -> [T, hidden]."""
+        """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] -> [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin_for(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_caches[i], meta)
+            x = layer(x, rope, kv_caches[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ class KVCacheLayout:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    num_swap_blocks: int = 0  # host blocks for swap preemption
 
     @property
     def num_tokens(self) -> int:
@@ -40,14 +41,15 @@ class KVCacheLayout:
         return self.num_tokens * self.bytes_per_token
 
     @classmethod
-    def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype
-                    ) -> KVCacheLayout:
+    def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                    swap: bool = False) -> KVCacheLayout:
         per_token = model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
         num_blocks = cache.kv_cache_memory // (per_token * cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
                              f"{cache.block_size} tokens at {per_token} bytes per token")
-        return cls(num_blocks, cache.block_size, per_token)
+        num_swap = cache.swap_space // (per_token * cache.block_size) if swap else 0
+        return cls(num_blocks, cache.block_size, per_token, num_swap)
 
 
 class ModelRunner:
@@ -58,26 +60,34 @@ class ModelRunner:
         self.device = device
         self.block_size = layout.block_size
         dtype = model.embed_tokens.weight.dtype
-        # kv_caches: [layers, 2 (K, V), slots, KVH, D]
-        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, layout.num_tokens,
-                                     cfg.num_key_value_heads, cfg.head_dim,
+        # kv_caches: [layers, 2 (K, V), blocks, block_size, KVH, D]
+        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, layout.num_blocks,
+                                     layout.block_size, cfg.num_key_value_heads, cfg.head_dim,
                                      dtype=dtype, device=device)
+        # Host copies of swapped-out blocks: [layers, 2, swap_blocks, block_size, KVH, D]
+        self.swap_space = torch.zeros(cfg.num_hidden_layers, 2, layout.num_swap_blocks,
+                                      layout.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                      dtype=dtype, device="cpu",
+                                      pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
         self.sampler = Sampler(device, seed)
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in out.finished_request_ids | out.preempted_request_ids:
+        for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
             self.tokens.pop(request_id, None)
+        self._copy_blocks(out)
         for new in out.new_requests:
-            p = new.sampling_params
             self.tokens[new.request_id] = list(new.all_token_ids)
+            if new.request_id in self.states:
+                continue  # resumed after preemption: keep its sampler state (seeded RNG)
+            p = new.sampling_params
             self.states[new.request_id] = SamplingState(
                 p, list(new.all_token_ids[:new.num_prompt_tokens]),
                 list(new.all_token_ids[new.num_prompt_tokens:]),
-                make_generator(p, self.device))
+                make_generator(p, self.device), new.eos_token_ids)
         if out.is_empty:
             return ModelRunnerOutput({})
         # Decodes (one query token) first: the attention backend batches them together.
@@ -101,6 +111,17 @@ class ModelRunner:
                 result.logprobs[s.request_id] = lp
         return result
 
+    def _copy_blocks(self, out: SchedulerOutput) -> None:
+        """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused."""
+        if out.swap_out:
+            dev, host = (torch.tensor(x, device=self.device) for x in zip(*out.swap_out, strict=True))
+            self.swap_space[:, :, host.to(self.swap_space.device)] = \
+                self.kv_caches[:, :, dev].to(self.swap_space.device)
+        if out.swap_in:
+            host, dev = (torch.tensor(x, device=self.device) for x in zip(*out.swap_in, strict=True))
+            self.kv_caches[:, :, dev] = \
+                self.swap_space[:, :, host.to(self.swap_space.device)].to(self.device)
+
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -118,22 +139,21 @@ class ModelRunner:
             if s.num_new_tokens == 1:
                 num_decodes += 1
             else:
-                context = None
+                table_t = None
                 if start > 0:
-                    ctx = np.arange(end)
-                    context = torch.from_numpy(table[ctx // bs] * bs + ctx % bs).to(self.device)
+                    table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
                 prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
-                                             start, context))
+                                             start, table_t))
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        decode_slots, decode_mask = self._decode_context(batch[:num_decodes])
-        meta = AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+        decode_tables, decode_mask = self._decode_context(batch[:num_decodes])
+        meta = AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_mask, prefills)
         return input_ids, positions, meta
 
     def _decode_context(self, decodes: list[ScheduledRequest]
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Flat slots [B, max_ctx] of each decode's context and the mask of real positions."""
+        """Block tables [B, max_blocks] of the decodes and the mask of real positions."""
         if not decodes:
             return None, None
         bs = self.block_size
@@ -143,9 +163,6 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             n = min(len(s.block_ids), max_blocks)
             tables[i, :n] = s.block_ids[:n]
-        slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(decodes), -1)
-        max_ctx = int(ctx_lens.max())
-        slots = slots[:, :max_ctx]
-        mask = np.arange(max_ctx)[None, :] < ctx_lens[:, None]
-        return (torch.from_numpy(np.ascontiguousarray(slots)).to(self.device),
-                torch.from_numpy(mask).to(self.device).view(len(decodes), 1, 1, max_ctx))
+        mask = np.arange(max_blocks * bs)[None, :] < ctx_lens[:, None]
+        return (torch.from_numpy(tables).to(self.device),
+                torch.from_numpy(mask).to(self.device).view(len(decodes), 1, 1, -1))

@@ -25,6 +25,14 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded requests only
+    eos_token_ids: tuple[int, ...] = ()
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that would stop the request before min_tokens: masked until then."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return [*eos, *self.params.stop_token_ids]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -62,10 +70,14 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
+        """Repetition/presence/frequency penalties, and min_tokens' ban on stop tokens."""
+        banned = [(i, ids) for i, s in enumerate(states) if (ids := s.banned_token_ids())]
         rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
-        if not rows:
+        if not rows and not banned:
             return logits
         logits = logits.clone()
+        for i, ids in banned:
+            logits[i, ids] = float("-inf")
         vocab = logits.shape[-1]
         for i in rows:
             p = states[i].params

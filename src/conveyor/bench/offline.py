@@ -1,0 +1,180 @@
+"""`conveyor bench offline`: a seeded workload through `LLM.generate`, and the roofline check.
+
+Reference workload (issue 2): 64 requests, prompts of 50-300 tokens, ``max_tokens`` 16-64 for
+80% of them and 256 for 20%, ``ignore_eos``, all arriving at once. Besides throughput it
+measures, in the same run, a decode step at batch B against the model's bare matmuls at that
+batch (the roofline a decode step can approach): their ratio is the engine's overhead.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from conveyor.engine.llm import LLM
+from conveyor.sampling_params import SamplingParams
+
+# Token ids for synthetic prompts are drawn above the special tokens of common vocabularies.
+_FIRST_PLAIN_TOKEN = 1000
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int = 64
+    prompt_len: tuple[int, int] = (50, 300)
+    short_output: tuple[int, int] = (16, 64)
+    long_output: int = 256
+    long_fraction: float = 0.2
+    seed: int = 0
+
+    def requests(self, vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
+        rng = random.Random(self.seed)
+        num_long = round(self.long_fraction * self.num_requests)
+        is_long = [True] * num_long + [False] * (self.num_requests - num_long)
+        rng.shuffle(is_long)
+        out = []
+        for long in is_long:
+            n = rng.randint(*self.prompt_len)
+            prompt = [rng.randrange(_FIRST_PLAIN_TOKEN, vocab_size) for _ in range(n)]
+            max_tokens = self.long_output if long else rng.randint(*self.short_output)
+            out.append((prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True)))
+        return out
+
+
+@dataclass
+class OfflineResult:
+    num_requests: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    num_steps: int
+    num_preemptions: int
+    requests_per_s: float = field(init=False)
+    output_tokens_per_s: float = field(init=False)
+    total_tokens_per_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requests_per_s = self.num_requests / self.duration_s
+        self.output_tokens_per_s = self.output_tokens / self.duration_s
+        self.total_tokens_per_s = (self.prompt_tokens + self.output_tokens) / self.duration_s
+
+
+def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
+    """Run the workload once (all requests at once) and time it."""
+    requests = workload.requests(llm.engine.model_config.vocab_size)
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    params = [s for _, s in requests]
+    before = llm.stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    duration = time.perf_counter() - start
+    after = llm.stats()
+    return OfflineResult(
+        num_requests=len(outputs), duration_s=duration,
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        num_steps=after["num_steps"] - before["num_steps"],
+        num_preemptions=after["num_preemptions"] - before["num_preemptions"])
+
+
+@torch.inference_mode()
+def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5) -> float:
+    """Seconds for all of the model's matmuls (projections, MLP, LM head) at ``batch``
+    tokens: no attention, no norms, no sampling, no Python scheduling."""
+    model = llm.engine.runner.model
+    weights = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight]
+    lm_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weights.append(lm_head)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device)
+              for w in weights}
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 8) -> float:
+    """Median seconds of an engine step in which ``batch`` requests each decode one token."""
+    engine = llm.engine
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": [rng.randrange(_FIRST_PLAIN_TOKEN, vocab)
+                                                    for _ in range(context_len)]}, params)
+           for _ in range(batch)]
+    try:
+        # Prefill everyone (and take the first decode) before timing.
+        while engine.scheduler.num_waiting or any(
+                r.num_output_tokens < 2 for r in engine.scheduler.running):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+    finally:
+        engine.abort_request(ids)
+    return sorted(times)[len(times) // 2]
+
+
+def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] = (1, 16, 64),
+                warmup: bool = True) -> dict[str, Any]:
+    """Throughput of the workload plus decode-step-vs-matmul ratios, in one run."""
+    if warmup:
+        run_workload(llm, Workload(num_requests=4, long_output=8, short_output=(4, 8),
+                                   seed=workload.seed + 1))
+    result = run_workload(llm, workload)
+    roofline = []
+    for batch in roofline_batches:
+        matmul = bare_matmul_time(llm, batch)
+        step = decode_step_time(llm, batch)
+        roofline.append({"batch": batch, "bare_matmul_ms": matmul * 1e3,
+                         "decode_step_ms": step * 1e3, "ratio": step / matmul})
+    llm.engine.check_integrity()
+    return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
+            "engine": {"dtype": str(llm.engine.dtype).removeprefix("torch."),
+                       "device": str(llm.engine.device),
+                       "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
+                       "max_num_batched_tokens":
+                           llm.engine.scheduler_config.max_num_batched_tokens,
+                       "threads": torch.get_num_threads()}}
+
+
+def format_offline(report: dict[str, Any]) -> str:
+    r = report["result"]
+    lines = [
+        "============ Offline Benchmark Result ============",
+        f"{'Requests:':<40}{r['num_requests']}",
+        f"{'Duration (s):':<40}{r['duration_s']:.2f}",
+        f"{'Prompt tokens:':<40}{r['prompt_tokens']}",
+        f"{'Output tokens:':<40}{r['output_tokens']}",
+        f"{'Engine steps:':<40}{r['num_steps']}",
+        f"{'Preemptions:':<40}{r['num_preemptions']}",
+        f"{'Request throughput (req/s):':<40}{r['requests_per_s']:.2f}",
+        f"{'Output token throughput (tok/s):':<40}{r['output_tokens_per_s']:.1f}",
+        f"{'Total token throughput (tok/s):':<40}{r['total_tokens_per_s']:.1f}",
+        "------------- Decode step vs matmuls -------------",
+        f"{'batch':>6} {'matmuls (ms)':>14} {'decode step (ms)':>18} {'ratio':>8}",
+    ]
+    for row in report["roofline"]:
+        lines.append(f"{row['batch']:>6} {row['bare_matmul_ms']:>14.1f} "
+                     f"{row['decode_step_ms']:>18.1f} {row['ratio']:>8.2f}")
+    lines.append("=" * 50)
+    return "\n".join(lines)

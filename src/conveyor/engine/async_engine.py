@@ -1,0 +1,360 @@
+"""The LLMEngine step loop in its own thread, with one async stream of outputs per request.
+
+``LLMEngine`` is not thread-safe, so only the loop thread touches it: the event loop queues
+commands (add, abort) that the loop thread applies between steps, and the loop thread hands
+each step's outputs back to the event loop in one ``call_soon_threadsafe``. A forward pass
+never blocks the event loop, and the loop thread sleeps on a condition when there is no work.
+
+A request's stream keeps only its newest output: outputs are cumulative, so a consumer that
+falls behind reads fewer, larger updates instead of a growing queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.engine.llm_engine import LLMEngine, PromptType
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client is told to wait (Retry-After) when the waiting queue is full.
+RETRY_AFTER_S = 1
+# How long shutdown waits for the loop thread to finish its current step.
+THREAD_JOIN_TIMEOUT_S = 10.0
+
+# Called in the loop thread after every loop iteration: (outputs of this iteration, including
+# aborted requests' final outputs; the engine's stats snapshot; time.time() at the end).
+StepListener = Callable[[list[RequestOutput], dict[str, Any], float], None]
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised: the engine can serve no more requests (health turns 503)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queued-requests: back-pressure (HTTP 429)."""
+
+    def __init__(self, num_waiting: int, limit: int) -> None:
+        super().__init__(f"the server is overloaded: {num_waiting} requests are waiting "
+                         f"(limit {limit}); retry after {RETRY_AFTER_S}s")
+        self.retry_after_s = RETRY_AFTER_S
+
+
+@dataclass
+class _Add:
+    prompt: PromptType
+    params: SamplingParams
+    request_id: str
+    priority: int
+    user: str | None
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """One request's cumulative outputs, read with ``async for``; ``close()`` aborts it."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False  # the final output was delivered (to this object)
+        self._exhausted = False  # the final output was read
+
+    # -- called on the event loop by the engine
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self.finished = self.finished or output.finished
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    # -- the consumer's side
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                output, self._latest = self._latest, None
+                self._exhausted = output.finished
+                return output
+            if self._exhausted:
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            self._event.clear()
+            await self._event.wait()
+
+    def close(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Drives an LLMEngine from a background thread for many concurrent async callers."""
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
+                 listener: StepListener | None = None) -> None:
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.listener = listener
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []  # guarded by _cond
+        self._stop_thread = False  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._num_pending_adds = 0  # event loop only
+        self._accepting = True
+        self.dead_error: BaseException | None = None
+        # Read by the event loop, replaced (never mutated) by the loop thread.
+        self.stats: dict[str, Any] = engine.stats()
+        self.peak_num_running = 0
+
+    # ------------------------------------------------------------------ read-only engine info
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Safe from any thread: reads only the tokenizer and the model config."""
+        return self.engine.tokenize_prompt(prompt)
+
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        self.engine.check_token_ids(ids, field)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="conveyor-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Stop accepting requests, let in-flight ones finish within timeout_s, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self.dead_error is None:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        with self._cond:
+            self._stop_thread = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
+        for stream in self._streams.values():
+            stream._fail(EngineStoppedError("the server is shutting down"))
+        self._streams.clear()
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                          priority: int = 0, user: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises ValueError (bad input, from the engine), QueueFullError, EngineDeadError or
+        EngineStoppedError before anything is streamed.
+        """
+        self._check_accepting()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self)
+        done: asyncio.Future[None] = loop.create_future()
+        self._streams[request_id] = stream
+        self._num_pending_adds += 1
+        self._submit(_Add(prompt, params, request_id, priority, user, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller went away; the add may have happened
+            self._streams.pop(request_id, None)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finally:
+            self._num_pending_adds -= 1
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0, user: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; leaving the loop early aborts it."""
+        stream = await self.add_request(prompt, params, request_id, priority, user)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps (idempotent; unknown or finished ids are ignored)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._submit(_Abort(request_id))
+
+    def _check_accepting(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine failed and serves no more requests: "
+                                  f"{self.dead_error!r}")
+        if not self._accepting or self._thread is None:
+            raise EngineStoppedError("the server is shutting down")
+        limit = self.max_queued_requests
+        if limit is not None:
+            num_waiting = int(self.stats["num_requests_waiting"]) + self._num_pending_adds
+            if num_waiting >= limit:
+                raise QueueFullError(num_waiting, limit)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run_loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while (not self._commands and not self._stop_thread
+                       and not engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stop_thread and not self._commands:
+                    return
+                commands, self._commands = self._commands, []
+            try:
+                outputs = self._apply(commands)
+                if engine.has_unfinished_requests():
+                    outputs.extend(engine.step())
+                self._publish(outputs)
+            except BaseException as e:  # a step failed: nothing can be trusted any more
+                logger.exception("engine step failed; the engine is dead")
+                self._die(e)
+                return
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        resolved: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                outputs.extend(self.engine.abort_request(command.request_id))
+                continue
+            error: BaseException | None = None
+            try:
+                self.engine.add_request(command.prompt, command.params, command.request_id,
+                                        priority=command.priority, user=command.user)
+            except Exception as e:  # bad input: goes back to the caller, the engine is fine
+                error = e
+            resolved.append((command.done, error))
+        if resolved:
+            self._snapshot()  # before answering: back-pressure must count the new requests
+        for done, error in resolved:
+            self._to_loop(_resolve, done, error)
+        return outputs
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        self.peak_num_running = max(self.peak_num_running, int(stats["num_requests_running"]))
+        stats["peak_num_requests_running"] = self.peak_num_running
+        self.stats = stats
+        return stats
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        stats = self._snapshot()
+        if self.listener is not None:
+            try:
+                self.listener(outputs, stats, time.time())
+            except Exception:  # metrics must never take the engine down
+                logger.exception("step listener failed")
+        if outputs:
+            self._to_loop(self._deliver, outputs)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead_error = error
+        with self._cond:
+            commands, self._commands = self._commands, []
+        dead = EngineDeadError(f"the engine failed: {error!r}")
+        for command in commands:
+            if isinstance(command, _Add):
+                self._to_loop(_resolve, command.done, dead)
+        self._to_loop(self._fail_all, dead)
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop closed meanwhile
+            pass
+
+    # ------------------------------------------------------------------ the event loop side
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._fail(error)
+        self._streams.clear()
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

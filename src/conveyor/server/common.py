@@ -1,0 +1,226 @@
+"""What the completion and chat endpoints share: request checks, sampling params, submission,
+streaming plumbing and cancellation on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
+from conveyor.server.metrics import ServerMetrics
+from conveyor.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+
+T = TypeVar("T")
+
+# Limits on what one request may ask for (n and logprobs are bounded by SamplingParams).
+MAX_PROMPTS_PER_REQUEST = 64
+MAX_STOP_STRINGS = 16
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class ServerState:
+    """What the endpoints need; one per app (``app.state.server``)."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout_s: float = 30.0
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(HTTPStatus.NOT_FOUND,
+                       f"The model `{model}` does not exist. This server serves "
+                       f"`{state.model_name}`.", "invalid_request_error", param="model",
+                       code="model_not_found")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """SamplingParams from a request; ValueError (-> 400) names the bad field."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+                          "stop")
+    values: dict[str, Any] = {
+        "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "seed": req.seed, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
+        "stop_token_ids": req.stop_token_ids,
+    }
+    values = {k: v for k, v in values.items() if v is not None}
+    return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),
+                          ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          skip_special_tokens=req.skip_special_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output)
+
+
+def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | None,
+                  prompt_param: str) -> None:
+    """OpenAI's (and vLLM's) context-length errors, in the wording clients parse."""
+    limit = state.engine.max_model_len
+    if num_input_tokens >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {num_input_tokens} input tokens. Please reduce the length of the input "
+            "messages.", prompt_param, "context_length_exceeded")
+    if max_tokens is not None and max_tokens > limit - num_input_tokens:
+        raise bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {limit} tokens and your request has "
+            f"{num_input_tokens} input tokens ({max_tokens} > {limit} - {num_input_tokens}).",
+            "max_tokens", "context_length_exceeded")
+
+
+async def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                 request_id: str, req: _SamplingFields) -> list[RequestStream]:
+    """Add one engine request per prompt; all or none (a failure aborts the ones added)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await state.engine.add_request(ids, params, rid, req.priority,
+                                                          req.user))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+# ---------------------------------------------------------------------- streaming
+def sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    error = to_api_error(exc)
+    return sse(error_body(error.message, error.type, error.param, error.code))
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; errors propagate."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+            queue.put_nowait((i, None))
+        except BaseException as e:  # noqa: B036 - handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends (even unstarted)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._engine_streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._engine_streams:
+                stream.close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              streams: list[RequestStream]) -> T:
+    """Await `work`; if the client disconnects first, abort its engine requests."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise APIError(499, "the client disconnected", code="client_disconnected")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(stream: RequestStream) -> RequestOutput:
+    final: RequestOutput | None = None
+    async for output in stream:
+        final = output
+    assert final is not None and final.finished
+    return final
+
+
+def on_stream_error(make_chunks: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Chunks from make_chunks(); an error mid-stream becomes an error event, then [DONE]."""
+
+    async def chunks() -> AsyncIterator[str]:
+        try:
+            async for chunk in make_chunks():
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            yield sse_error(e)
+        yield SSE_DONE
+
+    return chunks()

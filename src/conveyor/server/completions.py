@@ -1,0 +1,155 @@
+"""POST /v1/completions: one or many prompts, streamed or not, with echo and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from conveyor.engine.async_engine import RequestStream
+from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.common import (
+    MAX_PROMPTS_PER_REQUEST,
+    EngineStreamingResponse,
+    ServerState,
+    bad_request,
+    check_context,
+    check_model,
+    collect,
+    merged,
+    on_stream_error,
+    sampling_params,
+    sse,
+    submit,
+    unless_disconnected,
+    usage,
+)
+from conveyor.server.logprobs import completion_logprobs
+from conveyor.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+
+PromptInput = str | list[int]
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    prompts: list[PromptInput] = list(prompt)  # type: ignore[arg-type]
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"prompt may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got "
+                          f"{len(prompts)}", "prompt")
+    return prompts
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does "
+                          "not compute", "echo")
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    params: SamplingParams
+    prompt_ids: list[list[int]]
+    echo_texts: list[str] = field(default_factory=list)  # per prompt; "" without echo
+
+
+async def _prepare(state: ServerState, req: CompletionRequest) -> _Prepared:
+    check_model(state, req.model)
+    _check_unsupported(req)
+    prompts = _prompt_list(req.prompt)
+    params = sampling_params(req, req.max_tokens, req.logprobs)
+    engine = state.engine
+    encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in prompts])
+    for _, ids in encoded:
+        check_context(state, len(ids), req.max_tokens, "prompt")
+    echo = [""] * len(encoded)
+    if req.echo:
+        tokenizer = engine.tokenizer
+        echo = [text if text is not None else
+                (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "")
+                for text, ids in encoded]
+    return _Prepared(f"cmpl-{uuid.uuid4().hex}", params, [ids for _, ids in encoded], echo)
+
+
+async def create_completion(state: ServerState, req: CompletionRequest,
+                            raw: Request) -> Response | CompletionResponse:
+    prep = await _prepare(state, req)
+    streams = await submit(state, prep.prompt_ids, prep.params, prep.request_id, req)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EngineStreamingResponse(
+            on_stream_error(lambda: _stream(state, prep, streams, include_usage)), streams)
+    finals = await unless_disconnected(raw, asyncio.gather(*(collect(s) for s in streams)),
+                                       streams)
+    choices = [_choice(i * prep.params.n + c.index, c, prep.echo_texts[i] + c.text,
+                       len(prep.echo_texts[i]))
+               for i, final in enumerate(finals) for c in final.outputs]
+    return CompletionResponse(id=prep.request_id, model=state.model_name, choices=choices,
+                              usage=usage(finals))
+
+
+def _choice(index: int, c: CompletionOutput, text: str, offset: int,
+            first_token: int = 0) -> CompletionChoice:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = completion_logprobs(c.token_ids[first_token:], c.logprobs[first_token:],
+                                       offset)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+async def _stream(state: ServerState, prep: _Prepared, streams: list[RequestStream],
+                  include_usage: bool) -> AsyncIterator[str]:
+    n = prep.params.n
+    num_choices = len(streams) * n
+    created = int(time.time())
+    sent_chars = [0] * num_choices  # text already streamed per choice
+    sent_tokens = [0] * num_choices  # tokens whose logprobs were streamed
+    offsets = [len(prep.echo_texts[i // n]) for i in range(num_choices)]
+    done = [False] * num_choices
+    finals: dict[int, RequestOutput] = {}
+
+    def chunk(choice: CompletionChoice) -> str:
+        return sse(CompletionResponse(id=prep.request_id, created=created,
+                                      model=state.model_name,
+                                      choices=[choice]).model_dump_json())
+
+    for index in range(num_choices):
+        echo = prep.echo_texts[index // n]
+        if echo:
+            yield chunk(CompletionChoice(index=index, text=echo))
+    async for i, output in merged(streams):
+        if output.finished:
+            finals[i] = output
+        for c in output.outputs:
+            index = i * n + c.index
+            delta = c.text[sent_chars[index]:]
+            if done[index] or (not delta and c.finish_reason is None):
+                continue  # nothing new to show (text held back, or already finished)
+            choice = _choice(index, c, delta, offsets[index], sent_tokens[index])
+            if choice.logprobs is not None:
+                offsets[index] += sum(len(t) for t in choice.logprobs.tokens)
+            sent_chars[index] = len(c.text)
+            sent_tokens[index] = len(c.token_ids)
+            done[index] = c.finish_reason is not None
+            yield chunk(choice)
+    if include_usage:
+        yield sse(CompletionResponse(id=prep.request_id, created=created,
+                                     model=state.model_name, choices=[],
+                                     usage=usage([finals[i] for i in sorted(finals)]))
+                  .model_dump_json())

@@ -1,0 +1,121 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Whatever a client sends maps to a 4xx with a message it can act on; a 5xx means the server
+itself is broken (engine dead: 503) or a bug (500, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.engine.async_engine import EngineDeadError, EngineStoppedError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+# Request fields a ValueError message may start with ("temperature must be ..."): its `param`.
+_PARAM_NAMES = frozenset({
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
+    "logprobs", "top_logprobs", "prompt", "messages", "prompt_token_ids", "tokens", "model",
+})
+
+
+_LEADING_NAME = re.compile(r"['\"]?([a-z_]+)")
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.type, error.param, error.code),
+                        status_code=error.status, headers=error.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The APIError for an exception the engine or the request handling raised."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        match = _LEADING_NAME.match(str(exc))
+        name = match.group(1) if match else None
+        return bad_request(str(exc), name if name in _PARAM_NAMES else None)
+    if isinstance(exc, QueueFullError):
+        return APIError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), "rate_limit_error",
+                        code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error",
+                        code="engine_dead")
+    if isinstance(exc, EngineStoppedError):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error",
+                        code="shutting_down")
+    logger.error("internal error", exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal server error: {exc!r}",
+                    "server_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('msg')}", None
+        where = ".".join(loc) if loc else "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(parts[:5]) or "invalid request", param
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = _validation_message(exc)
+    return error_response(bad_request(message, param))
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.status_code, str(exc.detail), kind,
+                                   headers=getattr(exc, "headers", None)))
+
+
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(to_api_error(exc))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure answers in OpenAI's shape; validation failures are 400, not 422."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError,
+                 Exception):
+        app.add_exception_handler(kind, _on_error)

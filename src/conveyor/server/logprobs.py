@@ -1,0 +1,51 @@
+"""Engine logprobs ({token_id: Logprob} per generated token) in OpenAI's two shapes."""
+
+from __future__ import annotations
+
+from conveyor.core.outputs import Logprob
+from conveyor.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+
+TokenLogprobs = dict[int, Logprob]
+
+
+def _token_text(token_id: int, logprob: Logprob) -> str:
+    # decoded_token is set by the engine whenever the model has a tokenizer.
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
+                        text_offset: int) -> CompletionLogprobs:
+    """/v1/completions shape for generated tokens; text_offset: where the first one starts."""
+    result = CompletionLogprobs()
+    for token_id, candidates in zip(token_ids, logprobs, strict=False):
+        sampled = candidates[token_id]
+        text = _token_text(token_id, sampled)
+        result.tokens.append(text)
+        result.token_logprobs.append(sampled.logprob)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+        ranked = sorted(candidates.items(), key=lambda item: item[1].rank)
+        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in ranked})
+    return result
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
+                  num_top: int) -> ChatLogprobs:
+    """/v1/chat/completions shape: the sampled token and the num_top most likely ones."""
+    content = []
+    for token_id, candidates in zip(token_ids, logprobs, strict=False):
+        sampled = candidates[token_id]
+        text = _token_text(token_id, sampled)
+        top = sorted(((t, lp) for t, lp in candidates.items() if lp.rank <= num_top),
+                     key=lambda item: item[1].rank)[:num_top]
+        content.append(ChatTokenLogprob(
+            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=lp.logprob,
+                                     bytes=list(_token_text(t, lp).encode("utf-8")))
+                          for t, lp in top]))
+    return ChatLogprobs(content=content)

@@ -1,0 +1,185 @@
+"""Shared helpers for the torch-free core tests: requests, a fake model runner, a harness.
+
+The fake runner keeps a shadow KV cache: every slot holds a key naming the exact token prefix
+written there (position and all tokens before it). Each step it first writes the scheduled
+tokens' keys into their slots (as a layer stores K/V before attention), then checks that
+every position a request attends to holds that request's own prefix. A wrong block table, a
+wrong prefix-cache hit or a block handed to two requests at once fails that check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.scheduler import Scheduler
+from conveyor.request import Request, RequestStatus
+from conveyor.sampling_params import SamplingParams
+
+# (request_id, index of the output token being sampled) -> token id
+TokenFn = Callable[[str, int], int]
+
+OUTPUT_TOKEN_BASE = 1000  # default fake outputs live far from prompt ids and EOS
+
+
+def default_token_fn(request_id: str, index: int) -> int:
+    return OUTPUT_TOKEN_BASE + index
+
+
+def make_request(request_id: str, prompt: Sequence[int], max_tokens: int | None = 8, *,
+                 eos: tuple[int, ...] = (), max_model_len: int = 1024,
+                 **sampling: object) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    return Request(request_id, list(prompt), params, eos_token_ids=eos,
+                   max_model_len=max_model_len)
+
+
+def _prefix_keys(tokens: Sequence[int]) -> list[int]:
+    """keys[i] names tokens[:i + 1] (chained hash), so equal keys mean equal prefixes."""
+    keys, key = [], 0
+    for pos, token in enumerate(tokens):
+        key = hash((key, pos, token))
+        keys.append(key)
+    return keys
+
+
+class FakeRunner:
+    """Plays the model runner: shadow KV writes/reads, and one sampled token per request."""
+
+    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn) -> None:
+        self.block_size = block_size
+        self.token_fn = token_fn
+        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tokens: dict[str, list[int]] = {}
+        self.num_prompt: dict[str, int] = {}
+
+    def _slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
+        assert pos // self.block_size < len(block_ids), \
+            f"position {pos} beyond a block table of {len(block_ids)} blocks"
+        return block_ids[pos // self.block_size], pos % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids | out.preempted_request_ids:
+            self.tokens.pop(request_id, None)
+        for new in out.new_requests:
+            self.tokens[new.request_id] = list(new.all_token_ids)
+            self.num_prompt[new.request_id] = new.num_prompt_tokens
+        keys = {}
+        for item in out.scheduled:  # write this step's K/V first ...
+            assert item.request_id in self.tokens, f"runner never saw {item.request_id}"
+            tokens = self.tokens[item.request_id]
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert end <= len(tokens), f"{item.request_id}: computes past its tokens"
+            keys[item.request_id] = _prefix_keys(tokens[:end])
+            for pos in range(item.num_computed_tokens, end):
+                block, offset = self._slot(item.block_ids, pos)
+                self.slots[block][offset] = keys[item.request_id][pos]
+        sampled = {}
+        for item in out.scheduled:  # ... then attend over the whole prefix
+            request_keys = keys[item.request_id]
+            for pos, key in enumerate(request_keys):
+                block, offset = self._slot(item.block_ids, pos)
+                assert self.slots[block][offset] == key, \
+                    f"{item.request_id}: wrong KV at position {pos} (block {block})"
+            tokens = self.tokens[item.request_id]
+            assert item.samples == (len(request_keys) == len(tokens))
+            if item.samples:
+                index = len(tokens) - self.num_prompt[item.request_id]
+                token = self.token_fn(item.request_id, index)
+                sampled[item.request_id] = token
+                tokens.append(token)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Per-step invariants of a SchedulerOutput against the scheduler's state."""
+    config = sched.config
+    ids = [item.request_id for item in out.scheduled]
+    assert len(ids) == len(set(ids)), f"a request scheduled twice: {ids}"
+    assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert len(out.scheduled) <= config.max_num_seqs
+    assert sched.num_running <= config.max_num_seqs
+    assert {r.request_id for r in out.new_requests} <= set(ids)
+    assert not (set(ids) & out.preempted_request_ids)
+    running_ids = {r.request_id for r in sched.running}
+    assert set(ids) <= running_ids
+    block_size = sched.kv_cache.block_size
+    for item in out.scheduled:
+        request = sched.requests[item.request_id]
+        assert request.status == RequestStatus.RUNNING
+        assert item.num_new_tokens >= 1
+        assert item.num_computed_tokens == request.num_computed_tokens
+        end = item.num_computed_tokens + item.num_new_tokens
+        assert end <= request.num_tokens
+        assert item.samples == (end == request.num_tokens)
+        assert len(item.block_ids) * block_size >= end
+        assert item.block_ids == sched.kv_cache.block_tables[item.request_id]
+    for request in sched.running:
+        assert request.status == RequestStatus.RUNNING
+    for request in sched.policy:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    sched.check_integrity()
+    kv = sched.kv_cache
+    if not sched.has_unfinished_requests():
+        assert sched.num_running == 0 and sched.num_waiting == 0
+        assert kv.num_live_requests() == 0
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+@dataclass
+class Harness:
+    """A scheduler over a KV manager, driven step by step through a FakeRunner."""
+
+    sched: Scheduler
+    runner: FakeRunner
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.sched.kv_cache
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.sched.add_request(request)
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        check_step(self.sched, out)
+        runner_out = self.runner.execute(out)
+        self.sched.update(out, runner_out)
+        self.sched.check_integrity()
+        self.outputs.append(out)
+        return out
+
+    def run(self, max_steps: int = 2000) -> int:
+        """Step until no request is alive; returns the number of steps; checks for leaks."""
+        steps = 0
+        while self.sched.has_unfinished_requests():
+            self.step()
+            steps += 1
+            assert steps <= max_steps, "the scheduler made no progress"
+        assert_no_leak(self.sched)
+        return steps
+
+
+def make_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
+                 token_fn: TokenFn = default_token_fn, **config: object) -> Harness:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching)
+    sched = Scheduler(SchedulerConfig(**config), kv)  # type: ignore[arg-type]
+    return Harness(sched, FakeRunner(num_blocks, block_size, token_fn))
+
+
+def scripted(tokens: dict[str, list[int]], default: int = OUTPUT_TOKEN_BASE) -> TokenFn:
+    """A token_fn that plays a fixed script per request, then ``default``."""
+
+    def token_fn(request_id: str, index: int) -> int:
+        script = tokens.get(request_id, [])
+        return script[index] if index < len(script) else default
+
+    return token_fn

@@ -1,0 +1,313 @@
+"""The offline API end to end: batch invariance, preemption, chunked prefill, bad input,
+incremental detokenization and per-request metrics. Every workload ends with no KV leak."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conveyor import LLM, SamplingParams
+from conveyor.outputs import RequestOutput
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+NUM_PROMPTS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llm) -> list[list[int]]:
+    """32 token-id prompts of 3..60 tokens (1 to 4 KV blocks), seeded."""
+    rng = random.Random(1)
+    vocab = tiny_llm.engine.model_config.vocab_size
+    return [[rng.randrange(2, vocab) for _ in range(rng.randrange(3, 61))]
+            for _ in range(NUM_PROMPTS)]
+
+
+# Prompts also run alone (one engine step per token each, so a subset keeps the test short):
+# the shortest, the longest, and some in between.
+ALONE = (0, 1, 5, 13, 21, 31)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llm, prompts, kv_free) -> dict[int, list[int]]:
+    """Greedy output of each ALONE prompt served by itself."""
+    result = {}
+    for i in ALONE:
+        (out,) = tiny_llm.generate({"prompt_token_ids": prompts[i]}, GREEDY)
+        result[i] = out.outputs[0].token_ids
+        assert len(result[i]) == MAX_TOKENS
+    kv_free(tiny_llm)
+    return result
+
+
+def run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+                  per_step: int = 3) -> list[RequestOutput]:
+    """Add `per_step` requests between engine steps (staggered arrivals); run to the end."""
+    engine = llm.engine
+    ids: list[str] = []
+    final: dict[str, RequestOutput] = {}
+    pending = list(prompts)
+    while pending or engine.has_unfinished_requests():
+        for prompt in pending[:per_step]:
+            ids.append(engine.add_request({"prompt_token_ids": prompt}, params))
+        del pending[:per_step]
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    return [final[i] for i in ids]
+
+
+def _assert_same(outputs: list[RequestOutput], expected: dict[int, list[int]]) -> None:
+    for i, want in expected.items():
+        assert outputs[i].outputs[0].token_ids == want, f"prompt {i}"
+
+
+def test_batch_of_32_at_once_matches_alone(tiny_llm, prompts, alone, kv_free) -> None:
+    outputs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    _assert_same(outputs, alone)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    kv_free(tiny_llm)
+
+
+def test_staggered_arrivals_match_alone(tiny_llm, prompts, alone, kv_free) -> None:
+    together = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    staggered = run_staggered(tiny_llm, prompts, GREEDY)
+    _assert_same(staggered, alone)
+    for a, b in zip(together, staggered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    kv_free(tiny_llm)
+
+
+def test_preemption_keeps_outputs(tiny_llama_dir, prompts, alone, kv_free) -> None:
+    # 12 blocks of 16 tokens for 32 requests of up to 76 tokens: preemptions are certain.
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,
+              max_model_len=1024)
+    assert llm.stats()["kv_blocks_total"] == 12
+    outputs = run_staggered(llm, prompts, GREEDY, per_step=8)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    _assert_same(outputs, alone)
+    reference = {i: o.outputs[0].token_ids for i, o in
+                 enumerate(run_staggered(llm, prompts, GREEDY, per_step=NUM_PROMPTS))}
+    _assert_same(outputs, reference)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert sum(o.metrics.num_preemptions for o in outputs) <= llm.stats()["num_preemptions"]
+    for output in outputs:
+        _assert_metrics_ordered(output)
+    kv_free(llm)
+
+
+def test_chunked_prefill_keeps_outputs(tiny_llama_dir, prompts, alone, kv_free) -> None:
+    # A 16-token budget splits every prompt longer than 16 tokens across steps, next to
+    # running decodes; block_size 8 puts chunk edges inside and across blocks.
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=1024, max_num_batched_tokens=16, block_size=8)
+    long_prompt = prompts[0] * 4 + prompts[1]
+    (long_alone,) = llm.generate({"prompt_token_ids": long_prompt}, GREEDY)
+    outputs = run_staggered(llm, [long_prompt, *prompts], GREEDY, per_step=4)
+    assert outputs[0].outputs[0].token_ids == long_alone.outputs[0].token_ids
+    _assert_same(outputs[1:], alone)
+    assert llm.stats()["num_steps"] > sum(len(p) for p in prompts) // 16
+    kv_free(llm)
+
+
+def test_default_model_batch_invariance(default_llm, kv_free) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (alone,) = default_llm.generate(prompts[0], params)
+    together = default_llm.generate(prompts * 2, params)
+    assert all(o.outputs[0].token_ids == alone.outputs[0].token_ids for o in together[::3])
+    for i in range(3):
+        assert together[i].outputs[0].token_ids == together[i + 3].outputs[0].token_ids
+    kv_free(default_llm)
+
+
+# --- incremental detokenization -------------------------------------------------------------
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def sampled_tiny(tiny_llm, prompts, kv_free) -> list[RequestOutput]:
+    """Seeded samples of the tiny model: random byte-level tokens, which split multi-byte
+    characters."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    outputs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts[:12]], params)
+    kv_free(tiny_llm)
+    return outputs
+
+
+def test_text_equals_decode_of_token_ids_tiny(tiny_llm, sampled_tiny) -> None:
+    """The streamed text equals one decode of all ids (where the last character is whole)."""
+    tokenizer = tiny_llm.get_tokenizer()
+    checked = 0
+    for output in sampled_tiny:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 24
+        decoded = tokenizer.decode(completion.token_ids)
+        if decoded.endswith(REPLACEMENT_CHAR):
+            continue  # see test_text_keeps_a_trailing_incomplete_character
+        assert completion.text == decoded, completion.token_ids
+        checked += 1
+    assert checked >= 6
+
+
+def test_text_keeps_a_trailing_incomplete_character(tiny_llm, prompts, sampled_tiny,
+                                                    kv_free) -> None:
+    """A sequence that ends inside a multi-byte character: the final text still equals
+    decode(token_ids) (with U+FFFD), as for any other finished sequence."""
+    tokenizer = tiny_llm.get_tokenizer()
+    cut = next(((i, m) for i, o in enumerate(sampled_tiny) for m in range(1, 25)
+                if tokenizer.decode(o.outputs[0].token_ids[:m]).endswith(REPLACEMENT_CHAR)),
+               None)
+    assert cut is not None, "no sample ends inside a character: pick another seed"
+    i, m = cut
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=m, ignore_eos=True)
+    (out,) = tiny_llm.generate({"prompt_token_ids": prompts[i]}, params)
+    kv_free(tiny_llm)
+    completion = out.outputs[0]
+    assert completion.token_ids == sampled_tiny[i].outputs[0].token_ids[:m]
+    assert completion.text == tokenizer.decode(completion.token_ids)
+
+
+def test_text_equals_decode_of_token_ids_default(default_llm, kv_free) -> None:
+    tokenizer = default_llm.get_tokenizer()
+    prompts = ["Write one sentence in French about cafés.", "Les élèves de l'école"]
+    outputs = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                           ignore_eos=True))
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+        assert completion.text == tokenizer.decode(completion.token_ids)
+        assert output.prompt == prompts[outputs.index(output)]
+        assert output.prompt_token_ids == tokenizer.encode(output.prompt)
+    kv_free(default_llm)
+
+
+# --- per-request metrics --------------------------------------------------------------------
+
+def _assert_metrics_ordered(output: RequestOutput) -> None:
+    m = output.metrics
+    assert output.finished
+    assert m.first_scheduled_time is not None and m.first_token_time is not None
+    assert m.finished_time is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.last_token_time is not None and m.first_token_time <= m.last_token_time
+    assert m.time_to_first_token is not None and m.time_to_first_token >= 0
+    assert m.num_preemptions >= 0
+
+
+def test_metrics_are_ordered(tiny_llm, prompts, kv_free) -> None:
+    outputs = run_staggered(tiny_llm, prompts[:8], GREEDY, per_step=2)
+    for output in outputs:
+        _assert_metrics_ordered(output)
+        assert output.metrics.num_preemptions == 0
+    # Later arrivals arrive later.
+    arrivals = [o.metrics.arrival_time for o in outputs]
+    assert arrivals == sorted(arrivals)
+    kv_free(tiny_llm)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def _still_serves(llm: LLM) -> None:
+    (out,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1))
+    assert len(out.outputs[0].token_ids) == 1 and out.finished
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}, []],
+                         ids=["text", "dict", "list"])
+def test_empty_prompt(default_llm, prompt) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        default_llm.generate([prompt], SamplingParams(max_tokens=2))
+    _still_serves(default_llm)
+
+
+def test_prompt_longer_than_max_model_len(default_llm) -> None:
+    too_long = {"prompt_token_ids": [42] * 1100}
+    with pytest.raises(ValueError, match="1024") as info:
+        default_llm.generate(too_long, SamplingParams(max_tokens=2))
+    assert "context length" in str(info.value) and "1100" in str(info.value)
+    _still_serves(default_llm)
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(default_llm) -> None:
+    good = "Hello there"
+    with pytest.raises(ValueError):
+        default_llm.generate([good, {"prompt_token_ids": [42] * 1100}, good],
+                             SamplingParams(max_tokens=2))
+    stats = default_llm.stats()
+    assert stats["num_requests_waiting"] == 0 and stats["num_requests_running"] == 0
+    _still_serves(default_llm)
+
+
+@pytest.mark.parametrize("ids", [[49152], [-1], [1, 2, 10**9]], ids=["vocab", "neg", "huge"])
+def test_token_ids_outside_vocabulary(default_llm, ids) -> None:
+    with pytest.raises(ValueError, match="vocabulary") as info:
+        default_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
+    assert "prompt_token_ids" in str(info.value) and "49152" in str(info.value)
+    _still_serves(default_llm)
+
+
+def test_stop_token_ids_outside_vocabulary(default_llm) -> None:
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        default_llm.generate("Hello", SamplingParams(max_tokens=2, stop_token_ids=[10**6]))
+    _still_serves(default_llm)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"stop": [""]}, "stop"),
+])
+def test_sampling_params_validation(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_bad_sampling_params_then_serve(default_llm) -> None:
+    for kwargs in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}):
+        with pytest.raises(ValueError):
+            default_llm.generate("Hello", SamplingParams(**kwargs))
+    _still_serves(default_llm)
+
+
+def test_unknown_model_path(tmp_path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(model=str(missing))
+
+
+def test_unknown_architecture(tmp_path) -> None:
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 64,
+        "hidden_size": 32, "n_embd": 32, "num_attention_heads": 2, "intermediate_size": 64,
+        "num_hidden_layers": 1}))
+    save_file({"wte.weight": torch.zeros(64, 32)}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="gpt2") as info:
+        LLM(model=str(folder))
+    assert "llama" in str(info.value)  # says what is supported
+
+
+def test_unknown_engine_argument() -> None:
+    with pytest.raises(ValueError, match="max_num_seq\\b|max_num_seq'"):
+        LLM(max_num_seq=4)

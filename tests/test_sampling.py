@@ -1,0 +1,345 @@
+"""Sampling and stopping through LLM.generate: seeds, filters, penalties, stops, n, logprobs.
+
+Mostly on the tiny random Llama (milliseconds a step); stop strings, EOS and min_tokens on the
+default model, whose text is real language and which emits EOS by itself.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+
+PROMPT = [11, 42, 7, 300, 12, 99, 250, 31]
+
+
+def _ids(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    (out,) = llm.generate({"prompt_token_ids": prompt}, params)
+    return out.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def others(tiny_llm) -> list[list[int]]:
+    rng = random.Random(3)
+    vocab = tiny_llm.engine.model_config.vocab_size
+    return [[rng.randrange(2, vocab) for _ in range(rng.randrange(2, 40))] for _ in range(7)]
+
+
+@pytest.fixture(scope="module")
+def greedy_ids(tiny_llm) -> list[int]:
+    ids = _ids(tiny_llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    # The penalty tests need repeats to penalize: a random model's greedy output loops.
+    assert len(set(ids)) < len(ids), ids
+    return ids
+
+
+# --- seeds ----------------------------------------------------------------------------------
+
+def test_seed_is_independent_of_the_batch(tiny_llm, others, kv_free) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _ids(tiny_llm, PROMPT, seeded)
+    # Other requests (unseeded, other seeds, greedy) before and after it in the same batch.
+    mixed = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=10, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    prompts = [others[0], others[1], PROMPT, others[2], others[3]]
+    params = [mixed[0], mixed[1], seeded, mixed[2], mixed[0]]
+    batched = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert batched[2].outputs[0].token_ids == alone
+    assert _ids(tiny_llm, PROMPT, seeded) == alone  # and across calls
+    other_seed = _ids(tiny_llm, PROMPT, seeded.replace(seed=4321))
+    assert other_seed != alone  # the seed matters (16 tokens from ~400 at temperature 1)
+    kv_free(tiny_llm)
+
+
+def test_seed_survives_preemption(tiny_llama_dir, others, kv_free) -> None:
+    """A resumed seeded request continues its random stream; it does not restart it."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=6 * 16 * 1024,
+              max_model_len=1024)
+    seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=40, ignore_eos=True)
+    alone = _ids(llm, PROMPT, seeded)
+    filler = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # The seeded request is the newest when blocks run out, so it is the one preempted.
+    prompts = [others[0], others[1], others[2], PROMPT]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [filler, filler, filler, seeded])
+    assert outputs[3].metrics.num_preemptions > 0, "the scenario must preempt the seeded one"
+    kv_free(llm)
+    assert outputs[3].outputs[0].token_ids == alone
+
+
+# --- filters that reduce to greedy -----------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 0.8, "top_k": 1},
+    {"temperature": 1.0, "top_p": 1e-6},
+    {"temperature": 1.5, "min_p": 1.0},
+    {"temperature": 1e-4},
+], ids=["top_k=1", "top_p-tiny", "min_p=1", "temperature-tiny"])
+def test_filters_that_keep_one_token_equal_greedy(tiny_llm, greedy_ids, kwargs,
+                                                  kv_free) -> None:
+    params = SamplingParams(max_tokens=16, ignore_eos=True, seed=3, **kwargs)
+    assert _ids(tiny_llm, PROMPT, params) == greedy_ids
+    kv_free(tiny_llm)
+
+
+def test_top_k_and_min_p_bound_the_sampled_token(tiny_llm, others, kv_free) -> None:
+    """At temperature 1 the returned (raw) logprobs are the sampling distribution."""
+    prompts = [{"prompt_token_ids": p} for p in [PROMPT, *others[:3]]]
+    top_k = SamplingParams(temperature=1.0, top_k=3, logprobs=1, seed=11, max_tokens=24,
+                           ignore_eos=True)
+    for out in tiny_llm.generate(prompts, top_k):
+        for token, lps in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+            assert lps[token].rank <= 3
+    min_p = 0.3
+    params = SamplingParams(temperature=1.0, min_p=min_p, logprobs=1, seed=12, max_tokens=24,
+                            ignore_eos=True)
+    for out in tiny_llm.generate(prompts, params):
+        for token, lps in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+            best = max(lp.logprob for lp in lps.values())
+            assert lps[token].logprob >= best + math.log(min_p) - 1e-4
+    kv_free(tiny_llm)
+
+
+def test_temperature_spreads_samples(tiny_llm, kv_free) -> None:
+    """Unseeded high-temperature samples are not all the same (the sampler samples)."""
+    params = SamplingParams(temperature=2.0, max_tokens=8, ignore_eos=True)
+    outputs = tiny_llm.generate([{"prompt_token_ids": PROMPT}] * 4, params)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1
+    kv_free(tiny_llm)
+
+
+# --- penalties, against a reference built on transformers' logits ---------------------------
+
+def _penalized_greedy(model, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """vLLM's penalty semantics: repetition over prompt + output, presence/frequency over
+    the output only."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            if params.repetition_penalty != 1:
+                seen = torch.tensor(sorted(set(prompt + out)))
+                values = logits[seen]
+                logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                           values * params.repetition_penalty)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                    minlength=logits.numel()).float()
+            logits -= params.frequency_penalty * counts
+            logits -= params.presence_penalty * (counts > 0).float()
+            out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"repetition_penalty": 1.8},
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": 2.0},
+    {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+], ids=["repetition", "frequency", "presence", "mixed"])
+def test_penalties(tiny_llm, tiny_llama_dir, hf_tiny_model, greedy_ids, kwargs,
+                   kv_free) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kwargs)
+    got = _ids(tiny_llm, PROMPT, params)
+    assert got != greedy_ids
+    assert got == _penalized_greedy(hf_tiny_model(tiny_llama_dir), PROMPT, 16, params)
+    kv_free(tiny_llm)
+
+
+# --- stopping ---------------------------------------------------------------------------------
+
+STOP_PROMPT = "The sky is"
+
+
+@pytest.fixture(scope="module")
+def default_greedy(default_llm):
+    """(token ids, text) of the default model's greedy continuation of STOP_PROMPT."""
+    (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                              ignore_eos=True))
+    return out.outputs[0].token_ids, out.outputs[0].text
+
+
+def test_stop_string_across_token_boundary(default_llm, default_greedy, kv_free) -> None:
+    ids, text = default_greedy
+    tokenizer = default_llm.get_tokenizer()
+    # A stop string from the middle of one token to the middle of the next.
+    k = next(k for k in range(1, len(ids) - 1)
+             if len(tokenizer.decode(ids[k - 1:k])) >= 2
+             and len(tokenizer.decode(ids[k:k + 1])) >= 2)
+    boundary = len(tokenizer.decode(ids[:k]))
+    assert text.startswith(tokenizer.decode(ids[:k]))
+    stop = text[boundary - 2:boundary + 2]
+    expected = text[:text.find(stop)]
+    (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                              stop=[stop, "never-appears"]))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason == stop
+    assert completion.text == expected
+    assert stop not in completion.text
+    # Generation stopped on the token that completed the stop string.
+    assert completion.token_ids == ids[:len(completion.token_ids)]
+    assert len(completion.token_ids) <= k + 1
+    kv_free(default_llm)
+
+
+def test_stop_string_included_on_request(default_llm, default_greedy, kv_free) -> None:
+    ids, text = default_greedy
+    stop = text[5:9]
+    (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
+        temperature=0, max_tokens=12, stop=stop, include_stop_str_in_output=True))
+    assert out.outputs[0].text == text[:text.find(stop) + len(stop)]
+    assert out.outputs[0].finish_reason == "stop"
+    kv_free(default_llm)
+
+
+def test_stop_token_ids(default_llm, default_greedy, kv_free) -> None:
+    ids, _ = default_greedy
+    tokenizer = default_llm.get_tokenizer()
+    stop_id = ids[6]
+    first = ids.index(stop_id)
+    (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[stop_id]))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
+    assert completion.token_ids == ids[:first + 1]
+    assert completion.text == tokenizer.decode(ids[:first])  # the stop token's text is not
+    kv_free(default_llm)
+
+
+EOS_PROMPT = "Write a haiku about the sea."
+
+
+@pytest.fixture(scope="module")
+def eos_greedy(default_llm) -> list[int]:
+    """Greedy ids of EOS_PROMPT, which the default model ends with EOS (id 2) on its own."""
+    (out,) = default_llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] == 2
+    assert len(completion.token_ids) < 30
+    return completion.token_ids
+
+
+def test_ignore_eos_runs_to_max_tokens(default_llm, eos_greedy, kv_free) -> None:
+    max_tokens = len(eos_greedy) + 1
+    (out,) = default_llm.generate(EOS_PROMPT, SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == max_tokens
+    assert completion.finish_reason == "length"
+    assert completion.token_ids[:len(eos_greedy)] == eos_greedy
+    kv_free(default_llm)
+
+
+def test_max_tokens_is_exact(tiny_llm, kv_free) -> None:
+    for max_tokens in (1, 2, 7):
+        (out,) = tiny_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+            temperature=0.5, max_tokens=max_tokens, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == max_tokens
+        assert out.outputs[0].finish_reason == "length"
+    kv_free(tiny_llm)
+
+
+@pytest.fixture(scope="module")
+def min_tokens_output(default_llm, eos_greedy, kv_free):
+    """(min_tokens, completion) of EOS_PROMPT asked for more tokens than it has before EOS."""
+    min_tokens = len(eos_greedy) + 3
+    (out,) = default_llm.generate(EOS_PROMPT, SamplingParams(
+        temperature=0, max_tokens=min_tokens + 1, min_tokens=min_tokens))
+    kv_free(default_llm)
+    return min_tokens, out.outputs[0]
+
+
+def test_min_tokens_delays_the_stop(min_tokens_output) -> None:
+    min_tokens, completion = min_tokens_output
+    assert len(completion.token_ids) >= min_tokens
+
+
+def test_min_tokens_suppresses_eos(min_tokens_output) -> None:
+    min_tokens, completion = min_tokens_output
+    assert 2 not in completion.token_ids[:min_tokens]  # EOS cannot be sampled before that
+
+
+# --- n samples per prompt ---------------------------------------------------------------------
+
+LONG_PROMPT = [(i * 37) % 400 + 2 for i in range(40)]  # 2.5 blocks of 16: 2 full, shareable
+
+
+def test_n_seeded_samples_differ_and_share_the_prompt(tiny_llm, kv_free) -> None:
+    before = tiny_llm.stats()["prefix_cache_hits"]
+    (out,) = tiny_llm.generate({"prompt_token_ids": LONG_PROMPT}, SamplingParams(
+        n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    assert tiny_llm.stats()["prefix_cache_hits"] > before
+    assert out.finished
+    kv_free(tiny_llm)
+
+
+def test_n_greedy_samples_are_equal(tiny_llm, kv_free) -> None:
+    (out,) = tiny_llm.generate({"prompt_token_ids": LONG_PROMPT}, SamplingParams(
+        n=3, temperature=0, max_tokens=12, ignore_eos=True))
+    (single,) = tiny_llm.generate({"prompt_token_ids": LONG_PROMPT}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))
+    assert len(out.outputs) == 3
+    assert all(c.token_ids == single.outputs[0].token_ids for c in out.outputs)
+    assert all(c.text == single.outputs[0].text for c in out.outputs)
+    kv_free(tiny_llm)
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+def test_logprobs_match_transformers(tiny_llm, tiny_llama_dir, hf_tiny_model, greedy_reference,
+                                     kv_free) -> None:
+    top_n = 5
+    (out,) = tiny_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, logprobs=top_n))
+    completion = out.outputs[0]
+    expected_ids, logits = greedy_reference(hf_tiny_model(tiny_llama_dir), PROMPT, 10)
+    assert completion.token_ids == expected_ids
+    assert completion.logprobs is not None and len(completion.logprobs) == 10
+    total = 0.0
+    for token, entry, row in zip(completion.token_ids, completion.logprobs, logits,
+                                 strict=True):
+        reference = torch.log_softmax(row, dim=-1)
+        assert top_n <= len(entry) <= top_n + 1
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == list(range(1, top_n + 1))
+        top = reference.topk(top_n)
+        assert [t for t, _ in sorted(entry.items(), key=lambda kv: kv[1].rank)] \
+            == top.indices.tolist()
+        for token_id, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(reference[token_id]), abs=1e-4)
+            assert lp.decoded_token == tiny_llm.get_tokenizer().decode(
+                [token_id], skip_special_tokens=False)
+        total += entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    kv_free(tiny_llm)
+
+
+def test_logprobs_of_sampled_tokens(tiny_llm, kv_free) -> None:
+    (out,) = tiny_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=1.5, seed=8, max_tokens=16, ignore_eos=True, logprobs=2))
+    completion = out.outputs[0]
+    ranks = []
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token in entry and 2 <= len(entry) <= 3
+        lp = entry[token]
+        ranks.append(lp.rank)
+        better = [e for e in entry.values() if e.logprob > lp.logprob]
+        assert lp.rank >= len(better) + 1
+        assert lp.logprob <= 0
+    assert max(ranks) > 1  # at temperature 1.5 some sampled token is not the top one
+    (zero,) = tiny_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
+    assert [list(e) for e in zero.outputs[0].logprobs] == [[t] for t in zero.outputs[0].token_ids]
+    (none,) = tiny_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True))
+    assert none.outputs[0].logprobs is None
+    kv_free(tiny_llm)
