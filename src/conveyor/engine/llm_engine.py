@@ -15,6 +15,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
 from conveyor.model.device import resolve_device, resolve_dtype
@@ -66,6 +67,8 @@ class LLMEngine:
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
+        self.step_trace: list[dict[str, Any]] | None = [] if args.step_trace else None
         logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
@@ -92,6 +95,9 @@ class LLMEngine:
             "num_requests_running": sched.num_running,
             "num_requests_waiting": sched.num_waiting,
             "num_steps": sched.stats.num_steps,
+            "num_swapped_blocks": sched.stats.num_swapped_blocks,
+            "peak_num_requests_running": sched.stats.peak_running,
+            "peak_kv_utilization": sched.stats.peak_kv_utilization,
             "prefix_cache_queries": prefix.queries,
             "prefix_cache_hits": prefix.hits,
             "num_prompt_tokens": self.num_prompt_tokens,
@@ -192,15 +198,35 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the outputs of requests that got new tokens."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
+        if self.step_trace is not None:
+            self.step_trace.append(self._trace_step(scheduler_output, updated, start))
         touched: dict[str, RequestGroup] = {}
         for request in updated:
             group, seq = self._sequences[request.request_id]
             self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
             touched[group.request_id] = group
         return [self._retire(g) if g.finished else g.output() for g in touched.values()]
+
+    def _trace_step(self, out: SchedulerOutput, updated: list[Request],
+                    start: float) -> dict[str, Any]:
+        """One step's decisions: who ran how many tokens (prefill or decode), who was
+        preempted, who waited, who finished, and the KV blocks in use."""
+        kv = self.scheduler.kv_cache
+        return {
+            "step": out.step_id, "time": start, "duration": time.perf_counter() - start,
+            "scheduled": [[s.request_id, s.num_new_tokens,
+                           "decode" if s.num_new_tokens == 1 and s.num_computed_tokens
+                           else "prefill"] for s in out.scheduled],
+            "preempted": sorted(out.preempted_request_ids),
+            "waiting": [r.request_id for r in self.scheduler.policy],
+            "finished": [r.request_id for r in updated if r.status.finished],
+            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "kv_blocks_total": kv.num_blocks,
+        }
 
     def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
         request = seq.request

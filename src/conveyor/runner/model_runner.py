@@ -93,6 +93,7 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend batches them together.
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(batch)
+        self._last_num_tokens = int(input_ids.shape[0])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         samplers = [s for s in batch if s.samples]
         if not samplers:
