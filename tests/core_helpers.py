@@ -183,3 +183,46 @@ def scripted(tokens: dict[str, list[int]], default: int = OUTPUT_TOKEN_BASE) -> 
         return script[index] if index < len(script) else default
 
     return token_fn
+
+
+# ---------------------------------------------------------------- policies, swap, reserve
+def make_policy_request(request_id: str, prompt: Sequence[int], max_tokens: int | None = 8, *,
+                        priority: int = 0, user: str | None = None,
+                        **kwargs: object) -> Request:
+    """make_request plus the scheduling fields the policies read (priority, tenant)."""
+    request = make_request(request_id, prompt, max_tokens, **kwargs)  # type: ignore[arg-type]
+    request.priority = priority
+    request.user = user
+    return request
+
+
+class SwapFakeRunner(FakeRunner):
+    """FakeRunner with a shadow host swap space: applies a step's block copies (swap-outs
+    first, then swap-ins, as the real runner does) before the step's K/V writes, so a swap
+    that restores the wrong block fails the shadow-KV check."""
+
+    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn,
+                 num_swap_blocks: int) -> None:
+        super().__init__(num_blocks, block_size, token_fn)
+        self.host: list[list[int | None]] = [[None] * block_size
+                                             for _ in range(num_swap_blocks)]
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for device, host in out.swap_out:
+            self.host[host] = list(self.slots[device])
+        for host, device in out.swap_in:
+            self.slots[device] = list(self.host[host])
+        return super().execute(out)
+
+
+def make_policy_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
+                        token_fn: TokenFn = default_token_fn, num_swap_blocks: int = 0,
+                        **config: object) -> Harness:
+    """make_harness with swap blocks (a SwapFakeRunner) and the reserve baseline wired as the
+    engine wires them (``kv_allocation="reserve"`` reserves ``max_model_len`` tokens)."""
+    sched_config = SchedulerConfig(**config)  # type: ignore[arg-type]
+    reserve = sched_config.max_model_len if sched_config.kv_allocation == "reserve" else None
+    kv = KVCacheManager(num_blocks, block_size, enable_caching, num_swap_blocks,
+                        reserve_tokens=reserve)
+    runner = SwapFakeRunner(num_blocks, block_size, token_fn, num_swap_blocks)
+    return Harness(Scheduler(sched_config, kv), runner)

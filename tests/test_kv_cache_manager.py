@@ -16,11 +16,13 @@ def _all_free(kv: KVCacheManager) -> None:
 
 
 def _compute(kv: KVCacheManager, request: Request) -> list[int]:
-    """Admit a request with its prefix hits and 'compute' its whole prompt."""
+    """Admit a request with its prefix hits and 'compute' its whole prompt (then publish
+    its full blocks, as ``Scheduler.update`` does after a step)."""
     blocks, num_cached = kv.get_computed_blocks(request)
     table = kv.allocate_slots(request, request.num_tokens - num_cached, blocks)
     assert table is not None
     request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
     return list(table)
 
 
@@ -87,6 +89,25 @@ def test_at_least_one_token_is_always_left_to_compute() -> None:
         assert num_cached == expected, prompt_len
         assert num_cached < r.num_tokens
         assert len(blocks) * BS == num_cached
+
+
+def test_blocks_are_findable_only_once_their_tokens_are_computed() -> None:
+    kv = KVCacheManager(16, BS)
+    a = make_request("a", range(13))  # blocks [0-3] [4-7] [8-11] [12]
+    table = kv.allocate_slots(a, 13)
+    assert table is not None and len(table) == 4
+    probe = make_request("p", range(14))
+    assert kv.get_computed_blocks(probe) == ([], 0)  # allocated, not computed: no hit
+    a.num_computed_tokens = 7  # a first chunk ran: only block 0 is full and written
+    kv.cache_computed_blocks(a)
+    assert kv.get_computed_blocks(probe) == (table[:1], 4)
+    a.num_computed_tokens = 13
+    kv.cache_computed_blocks(a)
+    kv.cache_computed_blocks(a)  # idempotent
+    assert kv.get_computed_blocks(probe) == (table[:3], 12)  # the partial block never hits
+    kv.free(a)
+    assert kv.get_computed_blocks(probe) == (table[:3], 12)
+    _all_free(kv)
 
 
 def test_the_chain_matters_same_block_after_another_prefix_misses() -> None:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from typing import Any
 
 from conveyor.bench import serve_cli
 from conveyor.cli.engine_args import add_engine_args, engine_args_from
+
+# bench sweep's default max_num_seqs values (and decode batch sizes of its roofline).
+_SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(offline)
     offline.set_defaults(func=run_offline_cmd)
     serve_cli.register(sub)
+    _register_compare(sub)
+    _register_sweep(sub)
 
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
@@ -36,3 +43,127 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
     return 0
+
+
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the JSON result only")
+    parser.add_argument("--result-file", default=None, help="write the JSON result here")
+    parser.add_argument("--plot-dir", default=None, help="write the PNG plots here")
+
+
+def _register_compare(sub: argparse._SubParsersAction) -> None:
+    # Workload flags default to None = the workload dataclass's own default, so that building
+    # the parser imports no torch (`conveyor plan` must not pay for it).
+    p = sub.add_parser("compare", help="one workload through several engine configurations: "
+                       "continuous vs static, paged vs reserve, prefix caching on vs off")
+    p.add_argument("--scenario", choices=("hol", "fragmentation", "prefix", "all"),
+                   default="all")
+    p.add_argument("--workload-seed", type=int, default=0)
+    pair = {"type": int, "nargs": 2, "metavar": ("MIN", "MAX")}
+    g = p.add_argument_group("head-of-line scenario, continuous vs static "
+                             "(defaults: 64 requests, prompts 16-64, outputs 20 / 500)")
+    g.add_argument("--hol-num-requests", type=int)
+    g.add_argument("--hol-prompt-len", **pair)
+    g.add_argument("--hol-short-output", type=int)
+    g.add_argument("--hol-long-output", type=int)
+    g.add_argument("--hol-group", type=int, help="one long request in every GROUP (8)")
+    g.add_argument("--hol-max-num-seqs", type=int, default=8)
+    g = p.add_argument_group("fragmentation scenario, paged vs reserve "
+                             "(defaults: the 64-request reference workload of bench offline)")
+    g.add_argument("--frag-num-requests", type=int)
+    g.add_argument("--frag-max-model-len", type=int, default=2048)
+    g.add_argument("--frag-budget-seqs", type=int, default=8,
+                   help="KV budget in sequences of --frag-max-model-len tokens (default: 8)")
+    g.add_argument("--frag-prompt-len", **pair)
+    g.add_argument("--frag-short-output", **pair)
+    g.add_argument("--frag-long-output", type=int)
+    g = p.add_argument_group("prefix-caching scenario, on vs off "
+                             "(defaults: 64 requests, 500-token shared prompt)")
+    g.add_argument("--prefix-num-requests", type=int)
+    g.add_argument("--prefix-len", type=int, help="tokens of the shared system prompt")
+    g.add_argument("--prefix-suffix-len", **pair)
+    g.add_argument("--prefix-output-len", type=int)
+    _add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_compare_cmd)
+
+
+def _given(args: argparse.Namespace, **flags: str) -> dict[str, Any]:
+    """{field: value} of the flags given on the command line (pairs become tuples)."""
+    out = {}
+    for name, flag in flags.items():
+        value = getattr(args, flag)
+        if value is not None:
+            out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def run_compare_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.compare import SCENARIOS, CompareConfig, format_compare, run_compare
+    from conveyor.bench.offline import Workload
+    from conveyor.bench.workloads import HeadOfLineWorkload, SharedPrefixWorkload
+
+    seed = args.workload_seed
+    config = CompareConfig(
+        hol=HeadOfLineWorkload(seed=seed, **_given(
+            args, num_requests="hol_num_requests", prompt_len="hol_prompt_len",
+            short_output="hol_short_output", long_output="hol_long_output", group="hol_group")),
+        hol_max_num_seqs=args.hol_max_num_seqs,
+        fragmentation=Workload(seed=seed, **_given(
+            args, num_requests="frag_num_requests", prompt_len="frag_prompt_len",
+            short_output="frag_short_output", long_output="frag_long_output")),
+        fragmentation_max_model_len=args.frag_max_model_len,
+        fragmentation_budget_seqs=args.frag_budget_seqs,
+        prefix=SharedPrefixWorkload(seed=seed, **_given(
+            args, num_requests="prefix_num_requests", prefix_len="prefix_len",
+            suffix_len="prefix_suffix_len", output_len="prefix_output_len")),
+        plot_dir=args.plot_dir)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    report = run_compare(engine_args_from(args), config, scenarios)
+    _emit(report, args, format_compare)
+    return 0
+
+
+def _register_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="throughput vs latency over max_num_seqs (knee), and "
+                       "decode step time vs batch size against the roofline")
+    p.add_argument("--batches", type=int, nargs="+", default=list(_SWEEP_BATCHES),
+                   help="max_num_seqs values to run the workload at")
+    p.add_argument("--knee-gain", type=float, default=0.15,
+                   help="the knee: doubling the batch buys less than this share of throughput")
+    p.add_argument("--roofline-batches", type=int, nargs="*", default=list(_SWEEP_BATCHES),
+                   help="batch sizes of the decode-step measurement (none: skip it)")
+    p.add_argument("--roofline-context-len", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[50, 300])
+    p.add_argument("--short-output", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   default=[16, 64])
+    p.add_argument("--long-output", type=int, default=256)
+    _add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_sweep_cmd)
+
+
+def run_sweep_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.offline import Workload
+    from conveyor.bench.sweep import SweepConfig, format_sweep, run_sweep
+
+    config = SweepConfig(
+        workload=Workload(num_requests=args.num_requests, prompt_len=tuple(args.prompt_len),
+                          short_output=tuple(args.short_output), long_output=args.long_output,
+                          seed=args.workload_seed),
+        batches=tuple(args.batches), knee_gain=args.knee_gain,
+        roofline_batches=tuple(args.roofline_batches),
+        roofline_context_len=args.roofline_context_len, plot_dir=args.plot_dir)
+    report = run_sweep(engine_args_from(args), config)
+    _emit(report, args, format_sweep)
+    return 0
+
+
+def _emit(report: dict[str, Any], args: argparse.Namespace,
+          fmt: Callable[[dict[str, Any]], str]) -> None:
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2) if args.json else fmt(report))

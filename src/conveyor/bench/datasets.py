@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-DATASET_NAMES = ("random", "skewed", "sharegpt")
+DATASET_NAMES = ("random", "skewed", "sharegpt", "reference")
 
 # Common short English words: each is a single token (with its leading space) in the
 # Llama-3, GPT-2/4, Qwen and SmolLM BPE vocabularies, so N words ≈ N prompt tokens.
@@ -44,7 +44,9 @@ MIN_SHAREGPT_TOKENS = 4
 class SampleRequest:
     """One request of a benchmark workload."""
 
-    prompt: str  # the text sent as `prompt` (completions) or the user message (chat)
+    # the text sent as `prompt` (completions) or the user message (chat); token ids for the
+    # `reference` dataset (completions only)
+    prompt: str | list[int]
     prompt_len_hint: int  # estimated prompt tokens; the server's usage gives the real count
     output_len: int  # sent as `max_tokens`
 
@@ -210,6 +212,18 @@ def load_sharegpt_requests(
     )
 
 
+def reference_requests(num_prompts: int, seed: int,
+                       vocab_size: int = 49152) -> list[SampleRequest]:
+    """The offline benchmark's reference workload (`conveyor bench offline`) as token-id
+    prompts, so online and offline throughput are measured on the very same requests."""
+    from conveyor.bench.offline import Workload  # imports the engine: only for this dataset
+
+    workload = Workload(num_requests=num_prompts, seed=seed)
+    return [SampleRequest(prompt=ids, prompt_len_hint=len(ids),
+                          output_len=params.max_tokens or 0)
+            for ids, params in workload.requests(vocab_size)]
+
+
 def sample_requests(config: DatasetConfig) -> list[SampleRequest]:
     """The workload `config` describes."""
     if config.name == "random":
@@ -219,6 +233,8 @@ def sample_requests(config: DatasetConfig) -> list[SampleRequest]:
         )
     if config.name == "skewed":
         return sample_skewed_requests(config.num_prompts, config.skewed, config.seed)
+    if config.name == "reference":
+        return reference_requests(config.num_prompts, config.seed)
     assert config.dataset_path is not None  # checked in DatasetConfig.__post_init__
     return load_sharegpt_requests(
         config.dataset_path, config.num_prompts, config.seed, config.sharegpt_output_len

@@ -86,14 +86,7 @@ def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
 def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5) -> float:
     """Seconds for all of the model's matmuls (projections, MLP, LM head) at ``batch``
     tokens: no attention, no norms, no sampling, no Python scheduling."""
-    model = llm.engine.runner.model
-    weights = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight]
-    lm_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    weights.append(lm_head)
+    weights = llm.engine.runner.model.matmul_weights()
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device)
               for w in weights}
 

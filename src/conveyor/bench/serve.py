@@ -70,6 +70,8 @@ class BenchmarkConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if any(not 0 <= p <= 100 for p in self.percentiles):
             raise ValueError(f"percentiles must be in [0, 100], got {self.percentiles}")
+        if self.chat and self.dataset.name == "reference":
+            raise ValueError("--dataset reference sends token ids: use /v1/completions")
 
     @property
     def chat(self) -> bool:

@@ -34,7 +34,10 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: BlockHash | None = None  # set once the block is full and registered
+    block_hash: BlockHash | None = None  # set once the block is full, computed and registered
+    generation: int = 0  # bumped each time the block gets new content
+    # (block id, generation) of the block before it in the sequence that registered it
+    parent: tuple[int, int] | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict(block)
+            block.generation += 1  # children cached under its old content no longer match
             block.ref_count = 1
             ids.append(block_id)
         return ids
@@ -84,16 +88,24 @@ class BlockPool:
         block.block_hash = None
         self.stats.evictions += 1
 
-    def lookup(self, block_hash: BlockHash) -> int | None:
-        """The cached block holding exactly these tokens after this prefix, if any."""
+    def lookup(self, block_hash: BlockHash, parent_block: int | None) -> int | None:
+        """The cached block holding exactly these tokens right after ``parent_block`` (the
+        block matched for the previous position; None for the first block), if any.
+
+        A hit needs equal tokens and the very same parent block (same content generation),
+        so by induction the whole prefix is equal: a hash collision is a miss, never a
+        wrong hit.
+        """
         block_id = self._cached.get(block_hash.value)
         if block_id is None:
             return None
-        cached = self.blocks[block_id].block_hash
-        # Compare tokens (and the chain value): a collision is a miss, never a wrong hit.
-        if cached is None or cached != block_hash:
+        block = self.blocks[block_id]
+        if block.block_hash != block_hash or block.parent != self._identity(parent_block):
             return None
         return block_id
+
+    def _identity(self, block_id: int | None) -> tuple[int, int] | None:
+        return None if block_id is None else (block_id, self.blocks[block_id].generation)
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cached blocks (removing them from the free queue if idle)."""
@@ -103,14 +115,15 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_count += 1
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Publish a full block for prefix reuse (first writer wins on duplicates)."""
+    def register(self, block_id: int, block_hash: BlockHash, parent_block: int | None) -> None:
+        """Publish a full, computed block for prefix reuse (first writer wins on duplicates)."""
         if not self.enable_caching:
             return
         block = self.blocks[block_id]
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.parent = self._identity(parent_block)
         self._cached.setdefault(block_hash.value, block_id)
 
     def free(self, block_ids: Sequence[int]) -> None:

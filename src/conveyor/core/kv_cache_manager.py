@@ -31,6 +31,8 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.num_swap_blocks = num_swap_blocks
         self._free_host_blocks = list(range(num_swap_blocks - 1, -1, -1))
+        self._released_host_blocks: list[int] = []  # freed by this step's swap-ins
+        self._num_registered: dict[str, int] = {}  # request id -> blocks published so far
         self.swapped: dict[str, list[int]] = {}  # request id -> host blocks, in table order
         # Per request: hashes of its full blocks so far (the chain), for registration.
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -72,7 +74,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
         for block_hash in hashes[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
+            block_id = self.pool.lookup(block_hash, block_ids[-1] if block_ids else None)
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -117,7 +119,6 @@ class KVCacheManager:
         needed = self._target_blocks(num_computed + num_new_tokens) - len(table)
         if needed > 0:
             table.extend(self.pool.allocate(needed))
-        self._register_full_blocks(request, num_computed + num_new_tokens)
         return table
 
     def _target_blocks(self, num_tokens: int) -> int:
@@ -132,6 +133,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move a request's KV to host blocks; returns (device, host) copies to run."""
         table = self.block_tables.pop(request.request_id)
+        self._num_registered.pop(request.request_id, None)
         host = [self._free_host_blocks.pop() for _ in table]
         self.swapped[request.request_id] = host
         self.pool.free(list(reversed(table)))
@@ -148,21 +150,30 @@ class KVCacheManager:
         table = self.pool.allocate(needed)
         self.block_tables[request.request_id] = table
         del self.swapped[request.request_id]
-        self._free_host_blocks.extend(host)
-        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        # The copies run at the next forward pass: a swap-out decided in the same step must
+        # not reuse these host blocks before then.
+        self._released_host_blocks.extend(host)
         return list(zip(host, table, strict=False))
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Publish blocks that will be full once this step's tokens are computed.
+    def begin_step(self) -> None:
+        """Host blocks swapped in during the last step are free again."""
+        self._free_host_blocks.extend(self._released_host_blocks)
+        self._released_host_blocks.clear()
 
-        Safe to publish before the forward pass: the next lookup happens after it.
-        """
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose KV is now computed (after a step ran:
+        a block is never findable before its content is written)."""
         if not self.enable_caching:
             return
-        table = self.block_tables[request.request_id]
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
         hashes = self._block_hashes(request)
-        for i in range(min(num_tokens // self.block_size, len(hashes))):
-            self.pool.register(table[i], hashes[i])
+        num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(table))
+        start = self._num_registered.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.register(table[i], hashes[i], table[i - 1] if i else None)
+        self._num_registered[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, last block first (its tail is evicted first)."""
@@ -170,6 +181,7 @@ class KVCacheManager:
         self.pool.free(list(reversed(table)))
         self._free_host_blocks.extend(self.swapped.pop(request.request_id, []))
         self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
 
     def num_live_requests(self) -> int:
         return len(self.block_tables)
@@ -180,7 +192,8 @@ class KVCacheManager:
         referenced = sum(b.ref_count for b in self.pool.blocks)
         assert owned == referenced, f"{owned} table entries vs {referenced} references"
         held = sum(len(h) for h in self.swapped.values())
-        assert held + len(self._free_host_blocks) == self.num_swap_blocks, "host blocks leaked"
+        free = len(self._free_host_blocks) + len(self._released_host_blocks)
+        assert held + free == self.num_swap_blocks, "host blocks leaked"
 
     @property
     def num_free_host_blocks(self) -> int:

@@ -33,6 +33,9 @@ class SchedulingPolicy(ABC):
     name: str
 
     @abstractmethod
+    def __init__(self, config: SchedulerConfig) -> None: ...
+
+    @abstractmethod
     def add(self, request: Request) -> None:
         """A newly arrived request joins the queue."""
 
@@ -56,6 +59,9 @@ class SchedulingPolicy(ABC):
 
     def begin_step(self) -> None:
         """Called once per scheduling step (aging clocks tick here)."""
+
+    def forget(self, request: Request) -> None:
+        """``request`` finished (any way): drop whatever the policy keeps about it."""
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """``request`` computes ``num_tokens`` this step (accounting hook)."""
@@ -83,7 +89,7 @@ class FCFSPolicy(SchedulingPolicy):
 
     name = "fcfs"
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self._queue: deque[Request] = deque()
 
     def add(self, request: Request) -> None:
@@ -118,13 +124,16 @@ class PriorityPolicy(SchedulingPolicy):
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.aging_steps = config.priority_aging_steps
-        self._waiting: dict[Request, int] = {}  # request -> step it (re)joined the queue
-        self._order: dict[Request, int] = {}  # arrival sequence, for FCFS among equals
+        self._waiting: set[Request] = set()
+        # Per live request: the step it arrived (aging counts from there, and survives
+        # preemption) and its arrival sequence (FCFS among equals).
+        self._joined: dict[Request, int] = {}
+        self._order: dict[Request, int] = {}
         self._step = 0
         self._seq = 0
 
     def effective_priority(self, request: Request) -> float:
-        waited = self._step - self._waiting.get(request, self._step)
+        waited = self._step - self._joined.get(request, self._step)
         return request.priority - waited / self.aging_steps
 
     def _key(self, request: Request) -> tuple[float, int]:
@@ -133,18 +142,21 @@ class PriorityPolicy(SchedulingPolicy):
     def add(self, request: Request) -> None:
         self._order[request] = self._seq
         self._seq += 1
-        self._waiting[request] = self._step
+        self._joined[request] = self._step
+        self._waiting.add(request)
 
     def requeue(self, request: Request) -> None:
-        self._waiting[request] = self._step  # keeps its original arrival order
+        self._waiting.add(request)  # keeps its arrival order and the aging it earned
 
     def peek(self) -> Request | None:
         return min(self._waiting, key=self._key) if self._waiting else None
 
     def remove(self, request: Request) -> None:
-        del self._waiting[request]
-        if request.status.finished:
-            self._order.pop(request, None)
+        self._waiting.discard(request)
+
+    def forget(self, request: Request) -> None:
+        self._order.pop(request, None)
+        self._joined.pop(request, None)
 
     def __len__(self) -> int:
         return len(self._waiting)

@@ -100,6 +100,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.policy.remove(request)  # waiting or preempted
+        self.policy.forget(request)
         request.status = status
         request.times.finished = time.time()
         self.kv_cache.free(request)
@@ -110,6 +111,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, and place their KV."""
         self.policy.begin_step()
+        self.kv_cache.begin_step()
         step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
         if not step.preempted:
@@ -141,6 +143,8 @@ class Scheduler:
         if not self._may_admit():
             return
         while step.budget > 0 and (request := self.policy.peek()) is not None:
+            if request.request_id in step.preempted:
+                return  # displaced in this very step: resuming it now would waste the work
             while not (len(self.running) < self.config.max_num_seqs
                        and self._admit(request, step)):
                 # Full (slots or blocks): the policy may displace a less deserving request.
@@ -166,10 +170,14 @@ class Scheduler:
         num_new = min(remaining, step.budget)
         if num_new < remaining and not self.config.enable_chunked_prefill:
             return False
-        blocks = self.kv_cache.blocks_needed(num_cached + num_new)
+        # A resumed request must have room for all its tokens, or it would be preempted
+        # again before producing one; a new one needs room for this chunk. Either way keep
+        # headroom for running decodes (an idle engine admits anyway).
+        num_tokens = request.num_tokens if request.num_preemptions else num_cached + num_new
+        blocks = self.kv_cache.blocks_needed(num_tokens)
         if self.running and blocks + self._watermark_blocks - len(computed_blocks) \
                 > self.kv_cache.num_free_blocks:
-            return False  # keep headroom for running decodes (an idle engine admits anyway)
+            return False
         table = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
         if table is None:
             return False
@@ -209,9 +217,10 @@ class Scheduler:
         step.unschedule(request)
         self.running.remove(request)
         if self.config.preemption == "swap" and self.kv_cache.can_swap_out(request):
-            step.swap_out.extend(self.kv_cache.swap_out(request))
+            copies = self.kv_cache.swap_out(request)
+            step.swap_out.extend(copies)
             request.swapped_out = True
-            self.stats.num_swapped_blocks += len(step.swap_out)
+            self.stats.num_swapped_blocks += len(copies)
         else:
             self.kv_cache.free(request)
             self.stats.num_preempted_tokens += request.num_computed_tokens
@@ -247,6 +256,7 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
             if not item.samples:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[item.request_id])

@@ -33,11 +33,14 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. All prompts are validated before any runs."""
+        prompt_list: list[PromptType]
         if isinstance(prompts, str | dict):
-            prompts = [prompts]
+            prompt_list = [prompts]
         elif prompts and isinstance(prompts[0], int):
-            prompts = [list(prompts)]  # type: ignore[arg-type]
-        prompts = list(prompts)
+            prompt_list = [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompts = prompt_list
         params = _per_prompt(sampling_params, len(prompts))
         encoded = [self.engine.tokenize_prompt(p) for p in prompts]  # raises on bad input
         ids = []
@@ -57,7 +60,9 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations: list[list[dict[str, Any]]] = (
+            messages if messages and isinstance(messages[0], list)  # type: ignore[assignment]
+            else [messages])  # type: ignore[list-item]
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt)

@@ -60,7 +60,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, 1, D/2] for these positions, computed once per step for all layers."""
-        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, -1)
+        table = self.cos_sin
+        assert isinstance(table, torch.Tensor)
+        cos, sin = table.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, -1)
         return cos, sin
 
 

@@ -106,6 +106,18 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight matrix a decode step multiplies by (projections, MLP, LM head)."""
+        weights: list[torch.Tensor] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                        mlp.down_proj.weight]
+        weights.append(self.embed_tokens.weight if self.lm_head is None
+                       else self.lm_head.weight)
+        return weights
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -1,0 +1,178 @@
+"""`bench compare`, `bench sweep` and the plots, on a tiny dummy-weights Llama, tiny workloads.
+
+Figures that depend on wall time are checked only where the gap is structural (static
+batching runs several times more engine steps than continuous on the head-of-line mix);
+counts (steps, peak concurrency, prefix-cache hits) are checked exactly or by inequality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.bench import plots
+from conveyor.bench.sweep import find_knee
+from conveyor.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY_KV_MEMORY = 1 << 20  # 64 blocks of 16 tokens for the tiny MHA model in float32
+# A tiny Llama shape with random ("dummy") weights. The vocabulary is larger than the tiny
+# tokenizer's because the reference workload draws prompt token ids from 1000 up.
+TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+               "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+               "bos_token_id": 0, "eos_token_id": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_dummy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-dummy-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return folder
+
+
+def _engine_flags(model_dir: Path) -> list[str]:
+    return ["--model", str(model_dir), "--load-format", "dummy", "--dtype", "float32",
+            "--kv-cache-memory", str(TINY_KV_MEMORY), "--max-model-len", "512"]
+
+
+def _assert_png(path: str | Path) -> None:
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000, path
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def compare_report(tiny_dummy_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> tuple[dict[str, Any], Path]:
+    """`bench compare --scenario all --json` once for the module, with its files."""
+    out = tmp_path_factory.mktemp("compare")
+    argv = ["bench", "compare", "--scenario", "all", "--json",
+            "--result-file", str(out / "compare.json"), "--plot-dir", str(out / "img"),
+            "--hol-num-requests", "16", "--hol-prompt-len", "8", "16",
+            "--hol-short-output", "4", "--hol-long-output", "48", "--hol-group", "4",
+            "--hol-max-num-seqs", "4",
+            "--frag-num-requests", "12", "--frag-max-model-len", "256",
+            "--frag-budget-seqs", "2", "--frag-prompt-len", "20", "60",
+            "--frag-short-output", "4", "8", "--frag-long-output", "32",
+            "--prefix-num-requests", "12", "--prefix-len", "192",
+            "--prefix-suffix-len", "4", "8", "--prefix-output-len", "4",
+            *_engine_flags(tiny_dummy_dir)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    report = json.loads(stdout.getvalue())
+    assert json.loads((out / "compare.json").read_text()) == report
+    return report, out
+
+
+def test_compare_reports_every_scenario(compare_report: tuple[dict[str, Any], Path]) -> None:
+    report, _ = compare_report
+    assert set(report) >= {"engine", "hol", "fragmentation", "prefix"}
+    for name in ("hol", "fragmentation", "prefix"):
+        for run in report[name]["runs"].values():
+            assert run["num_requests"] == report[name]["workload"]["num_requests"]
+            assert run["output_tokens"] > 0 and run["duration_s"] > 0
+
+
+def test_compare_head_of_line(compare_report: tuple[dict[str, Any], Path]) -> None:
+    hol = compare_report[0]["hol"]
+    c, s = hol["runs"]["continuous"], hol["runs"]["static"]
+    # Same work (ignore_eos: every request generates exactly max_tokens)...
+    assert c["output_tokens"] == s["output_tokens"] == 12 * 4 + 4 * 48
+    # ...but static batching waits for each batch's long request: far more steps.
+    assert s["num_steps"] >= 2 * c["num_steps"]
+    assert hol["ratios"]["steps_static_over_continuous"] >= 2
+    assert hol["ratios"]["output_throughput_continuous_over_static"] > 1
+    assert c["median_e2el_ms"] < s["median_e2el_ms"]
+    assert c["peak_num_requests_running"] <= 4 and s["peak_num_requests_running"] <= 4
+
+
+def test_compare_fragmentation(compare_report: tuple[dict[str, Any], Path]) -> None:
+    frag = compare_report[0]["fragmentation"]
+    p, r = frag["runs"]["paged"], frag["runs"]["reserve"]
+    assert frag["kv_budget_tokens"] == 2 * 256
+    # Reserving max_model_len per request fits exactly budget / max_model_len sequences.
+    assert r["peak_num_requests_running"] == 2
+    assert p["peak_num_requests_running"] >= 2 * r["peak_num_requests_running"]
+    assert 0 < r["peak_kv_utilization"] < 0.5 < p["peak_kv_utilization"] <= 1
+    assert frag["ratios"]["peak_running_paged_over_reserve"] >= 2
+
+
+def test_compare_prefix_caching(compare_report: tuple[dict[str, Any], Path]) -> None:
+    prefix = compare_report[0]["prefix"]
+    on, off = prefix["runs"]["on"], prefix["runs"]["off"]
+    assert off["prefix_cache_hits"] == 0
+    # Every request after the first finds the shared prompt's full blocks (192 = 12 x 16).
+    assert on["prefix_cache_hits"] >= (12 - 1) * 192
+    assert on["num_steps"] <= off["num_steps"]
+    assert on["mean_ttft_ms"] is not None and off["mean_ttft_ms"] is not None
+
+
+def test_compare_plots(compare_report: tuple[dict[str, Any], Path]) -> None:
+    report, out = compare_report
+    names = {Path(p).name for s in ("hol", "fragmentation") for p in report[s]["plots"]}
+    assert names == {"hol_timeline.png", "hol_kv_blocks.png", "fragmentation_kv_blocks.png",
+                     "fragmentation_timeline.png"}
+    for name in names:
+        _assert_png(out / "img" / name)
+
+
+def test_timeline_matrix_categories() -> None:
+    trace = [
+        {"scheduled": [["0", 8, "prefill"]], "waiting": ["1"], "preempted": [],
+         "finished": []},
+        {"scheduled": [["0", 1, "decode"], ["1", 8, "prefill"]], "waiting": [],
+         "preempted": [], "finished": []},
+        {"scheduled": [["1", 1, "decode"]], "waiting": ["0"], "preempted": ["0"],
+         "finished": ["1"]},
+    ]
+    matrix = plots.timeline_matrix(trace, ["0", "1"])
+    assert matrix.tolist() == [[plots.PREFILL, plots.DECODE, plots.PREEMPTED],
+                               [plots.WAITING, plots.PREFILL, plots.DECODE]]
+
+
+def test_find_knee() -> None:
+    points = [{"max_num_seqs": b, "output_tokens_per_s": t}
+              for b, t in [(1, 100), (2, 190), (4, 350), (8, 380), (16, 390)]]
+    assert find_knee(points, 0.15) == 4  # 4 -> 8 buys 8.6 %
+    assert find_knee(points[:3], 0.15) is None
+
+
+def test_sweep_writes_json_and_both_plots(tiny_dummy_dir: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    report = _run_json(capsys, [
+        "bench", "sweep", "--batches", "1", "2", "4", "--roofline-batches", "1", "4",
+        "--roofline-context-len", "16", "--num-requests", "8", "--prompt-len", "8", "24",
+        "--short-output", "4", "8", "--long-output", "16", "--json",
+        "--result-file", str(tmp_path / "sweep.json"), "--plot-dir", str(tmp_path),
+        *_engine_flags(tiny_dummy_dir)])
+    assert json.loads((tmp_path / "sweep.json").read_text()) == report
+    assert [p["max_num_seqs"] for p in report["points"]] == [1, 2, 4]
+    for point in report["points"]:
+        assert point["peak_num_requests_running"] <= point["max_num_seqs"]
+        assert point["output_tokens_per_s"] > 0 and point["mean_tpot_ms"] > 0
+    # One sequence at a time takes one step per token; more slots take fewer steps.
+    steps = [p["num_steps"] for p in report["points"]]
+    assert steps[0] > steps[1] > steps[2]
+    roof = report["roofline"]
+    assert [r["batch"] for r in roof["rows"]] == [1, 4]
+    assert roof["bandwidth_gb_s"] > 0 and roof["matmul_tflop_s"] > 0
+    for row in roof["rows"]:
+        assert row["decode_step_ms"] > 0 and row["memory_bound_ms"] > 0
+    assert roof["rows"][1]["compute_bound_ms"] == pytest.approx(
+        4 * roof["rows"][0]["compute_bound_ms"])
+    assert {Path(p).name for p in report["plots"]} == {"sweep_throughput_latency.png",
+                                                       "sweep_roofline.png"}
+    for path in report["plots"]:
+        _assert_png(path)

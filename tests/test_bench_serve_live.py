@@ -1,0 +1,67 @@
+"""`conveyor bench serve` against a live `conveyor serve`: every metric present and consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from server_fixtures import ServerProcess, start_server
+
+NUM_PROMPTS = 8
+OUTPUT_LEN = 6
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    server = start_server("--max-model-len", "512", "--kv-cache-memory", "32MiB",
+                          "--max-num-seqs", "4")
+    yield server
+    server.stop()
+    server.remove_log()
+
+
+def _bench(server: ServerProcess, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    result_file = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "conveyor.cli", "bench", "serve", "--url", server.base_url,
+           "--num-prompts", str(NUM_PROMPTS), "--input-len", "24", "--output-len",
+           str(OUTPUT_LEN), "--ignore-eos", "--no-progress", "--result-file", str(result_file),
+           *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(result_file.read_text()), done.stdout
+
+
+def test_bench_serve_metrics_are_present_and_consistent(server: ServerProcess,
+                                                        tmp_path: Path) -> None:
+    result, table = _bench(server, tmp_path, "--goodput", "e2el:600000")
+    assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
+    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
+    assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: exact
+    assert result["total_input_tokens"] >= NUM_PROMPTS * 12  # the server's own counts
+    assert 1 <= result["max_concurrent_requests"] <= NUM_PROMPTS
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    for family in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert result[f"{stat}_{family}_ms"] > 0, f"{stat}_{family}_ms"
+    assert result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert result["output_throughput"] == pytest.approx(
+        result["total_output_tokens"] / result["duration"])
+    records = result["requests"]
+    assert len(records) == NUM_PROMPTS
+    for r in records:
+        assert r["success"] and r["output_tokens"] == OUTPUT_LEN
+        assert 0 < r["ttft"] <= r["latency"]
+        assert len(r["itl"]) >= 1 and sum(r["itl"]) <= r["latency"] - r["ttft"] + 1e-6
+        assert r["start_time"] < r["end_time"]
+
+
+def test_bench_serve_json_on_stdout_and_chat_endpoint(server: ServerProcess,
+                                                      tmp_path: Path) -> None:
+    result, stdout = _bench(server, tmp_path, "--json", "--endpoint", "/v1/chat/completions",
+                            "--request-rate", "20", "--max-concurrency", "2")
+    assert json.loads(stdout)["completed"] == NUM_PROMPTS
+    assert result["completed"] == NUM_PROMPTS and result["max_concurrent_requests"] <= 2
+    assert result["endpoint"] == "/v1/chat/completions"
