@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from server_fixtures import ServerProcess, start_server
 
 NUM_PROMPTS = 8

@@ -243,19 +243,8 @@ def _stress(policy: str, preemption: str, seed: int) -> Harness:
     return h
 
 
-SELF_PREEMPTION_BUG = (
-    "BUG: a resumed request is admitted when blocks for all its tokens are free at that "
-    "moment, but nothing keeps them for it: while its prompt is recomputed in chunks, the "
-    "running decodes take them, and with no preemptible victim of equal or lower urgency "
-    "_schedule_running preempts the resumed request itself, again before it produced a "
-    "token (seed 27: r29 preempted at 7 outputs in steps 33 and 45)")
-
-
 @pytest.mark.parametrize("policy,preemption", [
-    ("fcfs", "recompute"), ("fcfs", "swap"),
-    pytest.param("priority", "recompute",
-                 marks=pytest.mark.xfail(strict=True, reason=SELF_PREEMPTION_BUG)),
-    ("priority", "swap"), ("fair", "recompute"), ("fair", "swap"),
+    ("fcfs", "recompute"), ("fcfs", "swap"), ("priority", "recompute"), ("priority", "swap"), ("fair", "recompute"), ("fair", "swap"),
 ])
 def test_randomized_policy_stress_keeps_kv_exact(policy: str, preemption: str) -> None:
     for seed in range(30):

@@ -90,24 +90,27 @@ class KVCacheManager:
         return self._num_blocks_to_take(request, num_new_tokens, computed_blocks or []) \
             <= self.pool.num_free_blocks
 
-    def _num_blocks_to_take(self, request: Request, num_new_tokens: int,
+    def _num_blocks_to_take(self, request: Request, num_tokens: int,
                             computed_blocks: list[int]) -> int:
         table = self.block_tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        new_blocks = self._target_blocks(num_computed + num_new_tokens) - len(table) \
+        new_blocks = self._target_blocks(num_computed + num_tokens) - len(table) \
             - len(computed_blocks)
         # Touching an idle cached block takes it out of the free queue too.
         idle_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
         return max(new_blocks, 0) + idle_hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
+                       computed_blocks: list[int] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't.
 
         ``computed_blocks`` are prefix-cache hits for a request being admitted; the caller
-        then advances ``num_computed_tokens`` past them.
+        then advances ``num_computed_tokens`` past them. ``num_lookahead_tokens`` more tokens
+        get blocks now too (a resumed request holds room for its whole recompute).
         """
         computed_blocks = computed_blocks or []
+        num_new_tokens += num_lookahead_tokens
         if self._num_blocks_to_take(request, num_new_tokens, computed_blocks) \
                 > self.pool.num_free_blocks:
             return None

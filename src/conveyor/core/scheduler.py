@@ -178,7 +178,10 @@ class Scheduler:
         if self.running and blocks + self._watermark_blocks - len(computed_blocks) \
                 > self.kv_cache.num_free_blocks:
             return False
-        table = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+        # A resumed request takes blocks for all its tokens now, so the rest of its
+        # recompute cannot be preempted before it produces a token.
+        lookahead = request.num_tokens - num_cached - num_new if request.num_preemptions else 0
+        table = self.kv_cache.allocate_slots(request, num_new, computed_blocks, lookahead)
         if table is None:
             return False
         if request.status == RequestStatus.WAITING:  # first admission, not a resume
