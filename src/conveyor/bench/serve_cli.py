@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -136,6 +137,8 @@ def report(result: BenchmarkResult, as_json: bool, result_file: str | None) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when at least one request succeeded, 1 otherwise or on bad input."""
+    # httpx logs every request at INFO: thousands of lines that would bury the table.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = config_from_args(args)
         result = asyncio.run(run_benchmark(config))
