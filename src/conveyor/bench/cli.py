@@ -26,6 +26,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(offline)
     offline.set_defaults(func=run_offline_cmd)
     serve_cli.register(sub)
+    http = sub.add_parser("http", help="the reference workload offline and through "
+                          "`conveyor serve` in one run: the server's throughput cost")
+    http.add_argument("--num-requests", type=int, default=64)
+    http.add_argument("--workload-seed", type=int, default=0)
+    http.add_argument("--json", action="store_true", help="print the JSON result only")
+    http.add_argument("--result-file", default=None, help="write the JSON result here")
+    add_engine_args(http)
+    http.set_defaults(func=run_http_cmd)
     _register_compare(sub)
     _register_sweep(sub)
 
@@ -42,6 +50,19 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
         with open(args.result_file, "w") as f:
             json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
+    return 0
+
+
+def run_http_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.http_overhead import format_http_overhead, run_http_overhead
+    from conveyor.bench.offline import Workload
+
+    report = run_http_overhead(engine_args_from(args),
+                               Workload(num_requests=args.num_requests, seed=args.workload_seed))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2) if args.json else format_http_overhead(report))
     return 0
 
 

@@ -218,7 +218,11 @@ def reference_requests(num_prompts: int, seed: int,
     prompts, so online and offline throughput are measured on the very same requests."""
     from conveyor.bench.offline import Workload  # imports the engine: only for this dataset
 
-    workload = Workload(num_requests=num_prompts, seed=seed)
+    return workload_requests(Workload(num_requests=num_prompts, seed=seed), vocab_size)
+
+
+def workload_requests(workload: Any, vocab_size: int) -> list[SampleRequest]:
+    """An offline `Workload`'s requests as token-id SampleRequests."""
     return [SampleRequest(prompt=ids, prompt_len_hint=len(ids),
                           output_len=params.max_tokens or 0)
             for ids, params in workload.requests(vocab_size)]
