@@ -43,7 +43,7 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     from conveyor.engine.llm import LLM
 
     engine_args = engine_args_from(args)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items() if k != "extra"})
+    llm = LLM.from_engine_args(engine_args)
     report = run_offline(llm, Workload(num_requests=args.num_requests, seed=args.workload_seed),
                          tuple(args.roofline_batches))
     if args.result_file:

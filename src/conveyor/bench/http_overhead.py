@@ -23,6 +23,7 @@ import httpx
 from conveyor.bench.datasets import DatasetConfig, workload_requests
 from conveyor.bench.offline import Workload, run_workload
 from conveyor.bench.serve import BenchmarkConfig, run_benchmark
+from conveyor.bench.workloads import warm_up
 from conveyor.config import EngineArgs
 from conveyor.engine.llm import LLM
 
@@ -66,10 +67,8 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
 
 
 def run_http_overhead(args: EngineArgs, workload: Workload) -> dict[str, Any]:
-    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
-                 if f.name != "extra"})
-    run_workload(llm, Workload(num_requests=4, long_output=8, short_output=(4, 8),
-                               seed=workload.seed + 1))  # warm-up
+    llm = LLM.from_engine_args(args)
+    warm_up(llm)
     offline = run_workload(llm, workload)
     vocab_size = llm.engine.model_config.vocab_size
     del llm

@@ -146,7 +146,7 @@ def build_llm(base: EngineArgs, **overrides: Any) -> LLM:
     by the caller dropping it; collect first so two caches are never alive at once)."""
     gc.collect()
     args = dataclasses.replace(base, **overrides)
-    return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    return LLM.from_engine_args(args)
 
 
 def warm_up(llm: LLM, seed: int = 12345) -> None:

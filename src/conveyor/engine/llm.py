@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,12 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -108,6 +113,3 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
     return params
 
-
-def engine_args_from(**kwargs: Any) -> EngineArgs:
-    return dataclasses.replace(EngineArgs(), **kwargs)
