@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ from conveyor.bench.offline import Workload, bare_matmul_time, decode_step_time
 from conveyor.bench.workloads import build_llm, run_requests, warm_up
 from conveyor.config import EngineArgs
 from conveyor.engine.llm import LLM
+from conveyor.planner.measure import matmul_flops_per_s, memory_bandwidth_bytes_per_s
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 KNEE_GAIN = 0.15  # doubling the batch must buy at least this much more throughput
 PROBE_BUDGET_S = 0.3  # per machine probe (bandwidth, FLOP/s): best run within this time
-PROBE_COPY_BYTES = 64 * 2**20  # per buffer: well past the CPU caches
-PROBE_MATMUL_N = 1024  # n x n x n matmul: 2 n^3 FLOPs
 
 
 @dataclass(frozen=True)
@@ -65,44 +63,12 @@ def find_knee(points: Sequence[dict[str, Any]], knee_gain: float = KNEE_GAIN) ->
     return None
 
 
-def _best_time(fn: Callable[[], object], budget_s: float) -> float:
-    fn()  # warm-up: page faults, thread pool start
-    best, deadline = float("inf"), time.perf_counter() + budget_s
-    while True:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            return best
-
-
-def measure_bandwidth(device: torch.device, budget_s: float = PROBE_BUDGET_S) -> float:
-    """Copy bandwidth in bytes/s: bytes read plus written by a large tensor copy."""
-    src = torch.ones(PROBE_COPY_BYTES // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * PROBE_COPY_BYTES / _best_time(lambda: _synced(dst.copy_, src), budget_s)
-
-
-def measure_flops(device: torch.device, dtype: torch.dtype,
-                  budget_s: float = PROBE_BUDGET_S) -> float:
-    """Square matmul throughput in FLOP/s in `dtype`."""
-    n = PROBE_MATMUL_N
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _best_time(lambda: _synced(torch.matmul, a, b), budget_s)
-
-
-def _synced(fn: Callable[..., object], *args: Any) -> None:
-    fn(*args)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def roofline(llm: LLM, batches: Sequence[int], context_len: int) -> dict[str, Any]:
     """Decode step and bare-matmul times per batch size, with the two limits."""
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
-    bandwidth, flops = measure_bandwidth(device), measure_flops(device, dtype)
+    bandwidth = memory_bandwidth_bytes_per_s(PROBE_BUDGET_S, str(device))
+    flops = matmul_flops_per_s(PROBE_BUDGET_S, str(device), str(dtype).removeprefix("torch."))
     params = engine.model_config.num_parameters()
     weight_bytes = params * torch.finfo(dtype).bits // 8
     kv_per_token = engine.kv_layout.bytes_per_token

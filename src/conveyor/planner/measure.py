@@ -31,36 +31,45 @@ def total_memory_bytes() -> int:
     raise RuntimeError("cannot read this machine's memory size")
 
 
-def _best_time(fn: Callable[[], object], budget_s: float) -> float:
-    fn()  # warm-up: page faults, thread pool start, kernel selection
+def _best_time(fn: Callable[[], object], budget_s: float, device: str = "cpu") -> float:
+    """Best wall time of ``fn`` within ``budget_s`` (synchronizing a CUDA device)."""
+    import torch
+
+    def run() -> None:
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    run()  # warm-up: page faults, thread pool start, kernel selection
     best = float("inf")
     deadline = time.perf_counter() + budget_s
     while True:
         start = time.perf_counter()
-        fn()
+        run()
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() > deadline:
             return best
 
 
-def memory_bandwidth_bytes_per_s(budget_s: float = TIME_BUDGET_S) -> float:
+def memory_bandwidth_bytes_per_s(budget_s: float = TIME_BUDGET_S, device: str = "cpu") -> float:
     """Copy bandwidth: bytes read plus bytes written per second by a large tensor copy."""
     import torch
 
-    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), budget_s)
+    seconds = _best_time(lambda: dst.copy_(src), budget_s, device)
     return 2 * COPY_BYTES / seconds
 
 
-def matmul_flops_per_s(budget_s: float = TIME_BUDGET_S) -> float:
-    """bf16 matmul throughput of an n x n by n x n product, FLOP/s."""
+def matmul_flops_per_s(budget_s: float = TIME_BUDGET_S, device: str = "cpu",
+                       dtype: str = "bfloat16") -> float:
+    """Matmul throughput of an n x n by n x n product in ``dtype``, FLOP/s."""
     import torch
 
     n = MATMUL_SIZE
-    a = torch.randn(n, n).to(torch.bfloat16)
-    b = torch.randn(n, n).to(torch.bfloat16)
-    seconds = _best_time(lambda: a @ b, budget_s)
+    a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+    b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+    seconds = _best_time(lambda: a @ b, budget_s, device)
     return 2 * n**3 / seconds
 
 
