@@ -46,10 +46,7 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(engine_args)
     report = run_offline(llm, Workload(num_requests=args.num_requests, seed=args.workload_seed),
                          tuple(args.roofline_batches))
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(report, f, indent=2)
-    print(json.dumps(report, indent=2) if args.json else format_offline(report))
+    _emit(report, args, format_offline)
     return 0
 
 
@@ -59,10 +56,7 @@ def run_http_cmd(args: argparse.Namespace) -> int:
 
     report = run_http_overhead(engine_args_from(args),
                                Workload(num_requests=args.num_requests, seed=args.workload_seed))
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(report, f, indent=2)
-    print(json.dumps(report, indent=2) if args.json else format_http_overhead(report))
+    _emit(report, args, format_http_overhead)
     return 0
 
 
@@ -184,6 +178,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 def _emit(report: dict[str, Any], args: argparse.Namespace,
           fmt: Callable[[dict[str, Any]], str]) -> None:
+    """The report as JSON (--result-file, --json) or as the command's table."""
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(report, f, indent=2)
