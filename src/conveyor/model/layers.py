@@ -59,14 +59,17 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D/2] for these positions, computed once per step for all layers."""
+        """cos, signed sin: [T, 1, D] for these positions, computed once per step for all
+        layers (sin's first half negated, so rotation is x * cos + roll(x) * sin)."""
         table = self.cos_sin
         assert isinstance(table, torch.Tensor)
-        cos, sin = table.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, -1)
-        return cos, sin
+        cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, -1)
+        return (torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] rotated by position ("rotate half" layout); cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    """x: [T, heads, D] rotated by position ("rotate half" layout); cos, sin: [T, 1, D].
+
+    roll(x) = [x2, x1], so this is [x1 cos - x2 sin, x2 cos + x1 sin] in four ops.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
