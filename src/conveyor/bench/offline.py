@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from conveyor.bench.workloads import warm_up
 from conveyor.engine.llm import LLM
 from conveyor.sampling_params import SamplingParams
 
@@ -131,8 +132,7 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
                 warmup: bool = True) -> dict[str, Any]:
     """Throughput of the workload plus decode-step-vs-matmul ratios, in one run."""
     if warmup:
-        run_workload(llm, Workload(num_requests=4, long_output=8, short_output=(4, 8),
-                                   seed=workload.seed + 1))
+        warm_up(llm)
     result = run_workload(llm, workload)
     roofline = []
     for batch in roofline_batches:

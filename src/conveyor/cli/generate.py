@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chat needs a tokenizer with a chat template")
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        prompt = {"prompt_token_ids": engine.tokenizer.encode_chat(messages)}
     engine.add_request(prompt, params)
     printed = 0
     finish_reason = None

@@ -197,7 +197,3 @@ class KVCacheManager:
         held = sum(len(h) for h in self.swapped.values())
         free = len(self._free_host_blocks) + len(self._released_host_blocks)
         assert held + free == self.num_swap_blocks, "host blocks leaked"
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        return len(self._free_host_blocks)

@@ -70,8 +70,8 @@ class LLM:
             else [messages])  # type: ignore[list-item]
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt_token_ids":
+                            tokenizer.encode_chat(conversation, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:

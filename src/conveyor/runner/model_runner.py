@@ -8,7 +8,6 @@ the end of its input.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +18,6 @@ from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,7 +90,6 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend batches them together.
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(batch)
-        self._last_num_tokens = int(input_ids.shape[0])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         samplers = [s for s in batch if s.samples]
         if not samplers:

@@ -71,9 +71,7 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
         raise bad_request("this model has no tokenizer, so no chat template", "messages")
     kwargs = {k: v for k, v in (template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
-    text = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt,
-                                         **kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat(template_messages(messages), add_generation_prompt, **kwargs)
 
 
 def _check_request(req: ChatCompletionRequest) -> int | None:
