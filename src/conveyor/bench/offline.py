@@ -87,13 +87,14 @@ def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
 def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5) -> float:
     """Seconds for all of the model's matmuls (projections, MLP, LM head) at ``batch``
     tokens: no attention, no norms, no sampling, no Python scheduling."""
-    weights = llm.engine.runner.model.matmul_weights()
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device)
-              for w in weights}
+    engine = llm.engine
+    layers = engine.runner.model.matmul_layers()
+    inputs = {n: torch.randn(batch, n, dtype=engine.dtype, device=engine.device)
+              for _, n in layers}
 
     def run() -> None:
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        for matmul, n in layers:
+            matmul(inputs[n])
 
     run()
     best = float("inf")

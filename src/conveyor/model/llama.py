@@ -6,7 +6,7 @@ Q/K/V and gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,13 @@ from torch import nn
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.torch_paged import paged_attention
 from conveyor.config import ModelConfig
-from conveyor.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from conveyor.model.layers import (
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    can_pack_linears,
+)
 
 # Std of dummy weights: small enough that activations stay finite through deep stacks.
 DUMMY_INIT_STD = 0.02
@@ -89,8 +95,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling_dict)
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.lm_head: nn.Linear | PackedLinear | None = (
+            None if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -103,20 +110,35 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied and not packed
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
-    def matmul_weights(self) -> list[torch.Tensor]:
-        """Every weight matrix a decode step multiplies by (projections, MLP, LM head)."""
-        weights: list[torch.Tensor] = []
+    def matmul_layers(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+        """Every matmul a decode step runs (projections, MLP, LM head), as (function,
+        input features), with the kernels the forward pass uses."""
+        layers: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                        mlp.down_proj.weight]
-        weights.append(self.embed_tokens.weight if self.lm_head is None
-                       else self.lm_head.weight)
-        return weights
+            layers += [(m, m.in_features) for m in (attn.qkv_proj, attn.o_proj,
+                                                    mlp.gate_up_proj, mlp.down_proj)]
+        layers.append((self.compute_logits, self.config.hidden_size))
+        return layers
+
+    def pack_linears(self) -> None:
+        """Replace every matmul weight (the LM head included, tied or not) by a oneDNN
+        pre-packed copy; call once, after the weights are loaded."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
+                                (mlp, "down_proj")):
+                setattr(owner, name, PackedLinear.from_linear(getattr(owner, name)))
+        head = self.lm_head
+        assert not isinstance(head, PackedLinear), "already packed"
+        self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,
+                                    None)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -188,7 +210,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         _init_dummy(model, seed)
     else:
         model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if can_pack_linears(device):
+        model.pack_linears()
+    return model
 
 
 def _init_dummy(model: CausalLM, seed: int) -> None:
