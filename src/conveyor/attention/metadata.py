@@ -30,6 +30,6 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens are decodes, one per request
     # [num_decodes, max_blocks] int64 block tables of the decodes (padding -> block 0)
     decode_block_tables: torch.Tensor | None
-    # [num_decodes, 1, 1, max_blocks * block_size] bool: True where the position is real
-    decode_mask: torch.Tensor | None
+    # [num_decodes] int64: cached positions each decode attends to (its own token included)
+    decode_context_lens: torch.Tensor | None
     prefills: list[PrefillChunk]

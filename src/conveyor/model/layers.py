@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.ops import reference
+
 
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with W reordered once into oneDNN's blocked layout (CPU only).
@@ -45,10 +47,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementation does, then scale in x's dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        """Over the last dim of any shape (the decoder's hot path calls conveyor.ops)."""
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -85,20 +85,3 @@ class RotaryEmbedding(nn.Module):
         # cos_sin: [max_positions, head_dim] = cos | sin halves
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)
-
-    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin: [T, 1, D] for these positions, computed once per step for all
-        layers (sin's first half negated, so rotation is x * cos + roll(x) * sin)."""
-        table = self.cos_sin
-        assert isinstance(table, torch.Tensor)
-        cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, -1)
-        return (torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] rotated by position ("rotate half" layout); cos, sin: [T, 1, D].
-
-    roll(x) = [x2, x1], so this is [x1 cos - x2 sin, x2 cos + x1 sin] in four ops.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

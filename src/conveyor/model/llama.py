@@ -7,21 +7,17 @@ Q/K/V and gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conveyor.attention.metadata import AttentionMetadata
-from conveyor.attention.torch_paged import paged_attention
+from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
-from conveyor.model.layers import (
-    PackedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    can_pack_linears,
-)
+from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
+from conveyor.ops import for_device, reference
 
 # Std of dummy weights: small enough that activations stay finite through deep stacks.
 DUMMY_INIT_STD = 0.02
@@ -40,22 +36,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.ops: Any = reference
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), *rope)
-            k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)
+            qk = torch.cat([self.q_norm(q.view(t, h, d)).view(t, -1),
+                            self.k_norm(k.view(t, kvh, d)).view(t, -1)], -1)
         else:
-            # q and k are adjacent in the fused output: rotate them in one op.
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim)
-            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], 1)
-        # q: [T, H, D]; k, v: [T, KVH, D]
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+            qk = qkv  # q and k are adjacent in the fused output: rotated in place, in one op
+        self.ops.rotary_(qk, positions, cos_sin, h + kvh, d)
+        q = qk[:, :self.q_size].view(t, h, d)
+        k = qk[:, self.q_size:self.q_size + self.kv_size].view(t, kvh, d)
+        out = paged_attention(self.ops, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -64,10 +61,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops: Any = reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -77,11 +74,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.ops: Any = reference
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with residual None);
+        residual: the stream before it. Returns this layer's (MLP output, residual): each
+        residual add is fused with the norm that follows it."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = x, self.ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            self.ops.add_rms_norm_(x, residual, norm1.weight, norm1.eps)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        self.ops.add_rms_norm_(x, residual, norm2.weight, norm2.eps)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -98,15 +106,26 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Linear | PackedLinear | None = (
             None if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.ops: Any = reference
+
+    def use_ops(self, ops: Any) -> None:
+        """Run the hot path with these ops (see conveyor.ops.for_device)."""
+        for module in self.modules():
+            if isinstance(module, Attention | MLP | DecoderLayer | CausalLM):
+                module.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] -> [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin_for(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.cos_sin
+        assert isinstance(cos_sin, torch.Tensor)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cos_sin, kv_caches[i], meta)
+        if residual is None:  # no layers
+            return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        self.ops.add_rms_norm_(x, residual, self.norm.weight, self.norm.eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab]."""
@@ -211,6 +230,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
+    model.use_ops(for_device(device))
     if can_pack_linears(device):
         model.pack_linears()
     return model

@@ -144,13 +144,13 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        decode_tables, decode_mask = self._decode_context(batch[:num_decodes])
-        meta = AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_mask, prefills)
+        decode_tables, decode_lens = self._decode_context(batch[:num_decodes])
+        meta = AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefills)
         return input_ids, positions, meta
 
     def _decode_context(self, decodes: list[ScheduledRequest]
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Block tables [B, max_blocks] of the decodes and the mask of real positions."""
+        """Block tables [B, max_blocks] of the decodes and their context lengths [B]."""
         if not decodes:
             return None, None
         bs = self.block_size
@@ -160,6 +160,5 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             n = min(len(s.block_ids), max_blocks)
             tables[i, :n] = s.block_ids[:n]
-        mask = np.arange(max_blocks * bs)[None, :] < ctx_lens[:, None]
         return (torch.from_numpy(tables).to(self.device),
-                torch.from_numpy(mask).to(self.device).view(len(decodes), 1, 1, -1))
+                torch.from_numpy(ctx_lens.astype(np.int64)).to(self.device))

@@ -1,0 +1,63 @@
+"""Paged attention over a ragged batch (CPU, and any device torch runs on).
+
+The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. New K/V
+are written into their slots (``block_id * block_size + offset``) for the whole batch first;
+then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
+kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
+one with torch's SDPA: causal inside the chunk, full over the cached prefix (gathered block by
+block). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+from conveyor.ops.reference import gather_blocks
+
+
+def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D] -> [T, H, D]."""
+    ops.write_kv_(k, v, kv_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    if not meta.prefills:
+        return _decode(ops, q, kv_cache, meta, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+    return out
+
+
+def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    return ops.decode_attention(q, kv_cache, meta.decode_block_tables,
+                                meta.decode_context_lens, scale)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+    if chunk.block_table is None:
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        kh = gather_blocks(kv_cache[0], chunk.block_table.unsqueeze(0))
+        vh = gather_blocks(kv_cache[1], chunk.block_table.unsqueeze(0))
+        # Query i sits at position num_computed + i and sees context positions <= that
+        # (which also hides the unwritten tail of the last block).
+        q_pos = torch.arange(chunk.query_len, device=q.device) + chunk.num_computed_tokens
+        k_pos = torch.arange(kh.shape[2], device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)  # [L, H, D]

@@ -1,0 +1,552 @@
+// CPU kernels for the decode hot path: one op where the torch reference needs several.
+//
+// Every op reproduces the rounding of the torch reference (ops/reference.py): values are
+// computed in float32 and rounded to the tensor's dtype exactly where the reference rounds,
+// so greedy outputs match it. Work is split over rows (or requests x KV heads) with
+// at::parallel_for, which uses torch's own thread pool.
+//
+// Registered as torch.ops.conveyor.*; built on first use by conveyor/ops/__init__.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::BFloat16;
+using at::Half;
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// Round a float to T the way torch does (round to nearest even for bf16/fp16).
+template <typename T>
+inline float round_as(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// Rows per task so a task does ~16K elements of work: small batches stay on one thread.
+inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / row_len); }
+
+// ------------------------------------------------------------------ 16-lane float vectors
+// With AVX-512 each kernel runs 16 floats at a time and finishes rows with the scalar loop
+// (which is the whole kernel on CPUs without AVX-512).
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// float -> bf16 bits in the high half of each lane, rounded to nearest even (NaN -> 0x7FC0,
+// as c10::BFloat16 does).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline void store16(Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// round_as<T> on 16 lanes.
+template <typename T> inline __m512 round16(__m512 v);
+template <> inline __m512 round16<float>(__m512 v) { return v; }
+template <> inline __m512 round16<BFloat16>(__m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+template <> inline __m512 round16<Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x) = 2^n * p(r) with |r| <= ln2/2, |rel err| < 2e-7; x clamped to [-87.3, 88.7].
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// ------------------------------------------------------------------ RMSNorm
+// out = w * T(x * rsqrt(mean(x^2) + eps)), in float32 (HF LlamaRMSNorm).
+template <typename T>
+inline void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(x + i), rv))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<T>(to_f(w[i]) * round_as<T>(to_f(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_norm_row(op + r * os, xp + r * xs, wp, n, (float)eps);
+  });
+}
+
+// residual = T(residual + x); x = rms_norm(residual): the residual add of a decoder layer
+// fused with the next norm (in place, like vLLM's fused_add_rms_norm).
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#endif
+      for (; i < n; ++i) rr[i] = static_cast<T>(to_f(rr[i]) + to_f(xr[i]));
+      rms_norm_row(xr, rr, wp, n, (float)eps);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ SiLU * up
+// gate_up: [T, 2I] -> [T, I] = T(T(silu(gate)) * up)
+template <typename T>
+void silu_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), n = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + n;
+      T* o = op + r * os;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gv = load16(g + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = round16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const float gv = to_f(g[i]);
+        o[i] = static_cast<T>(round_as<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ RoPE
+// Rotates the first `num_heads` heads of each row of x ([T, >= num_heads * D], "rotate half"
+// layout) in place by the token's position. cos_sin: [max_pos, D] float32 = cos | sin
+// halves. As the reference: cos and sin rounded to T, each product rounded, then the sum.
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
+                 int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = x.size(0), half = head_dim / 2;
+  T* xp = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, row_grain(num_heads * head_dim), [&](int64_t b, int64_t e) {
+    std::vector<float> c(half), s(half);
+    for (int64_t r = b; r < e; ++r) {
+      const float* cs = table + pos[r] * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = round_as<T>(cs[i]);
+        s[i] = round_as<T>(cs[half + i]);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = xp + r * xs + h * head_dim;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(v + i), x2 = load16(v + half + i);
+          const __m512 cv = load16(c.data() + i), sv = load16(s.data() + i);
+          const __m512 a = _mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, cv)),
+                                         round16<T>(_mm512_mul_ps(x2, sv)));
+          const __m512 bb = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, cv)),
+                                          round16<T>(_mm512_mul_ps(x1, sv)));
+          store16(v + i, a);
+          store16(v + half + i, bb);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = to_f(v[i]), x2 = to_f(v[half + i]);
+          v[i] = static_cast<T>(round_as<T>(x1 * c[i]) + round_as<T>(-x2 * s[i]));
+          v[half + i] = static_cast<T>(round_as<T>(x2 * c[i]) + round_as<T>(x1 * s[i]));
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ KV cache write
+// k, v: [T, KVH, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, D] contiguous;
+// slot_mapping: [T] flat slot (block * bs + offset) of each token.
+template <typename T>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping) {
+  const int64_t rows = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t plane = kv_cache[0].numel();
+  T* kc = kv_cache.data_ptr<T>();
+  T* vc = kc + plane;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      std::memcpy(kc + slots[r] * width, kp + r * ks, width * sizeof(T));
+      std::memcpy(vc + slots[r] * width, vp + r * vs, width * sizeof(T));
+    }
+  });
+}
+
+// ------------------------------------------------------------------ decode attention
+inline void exp_minus_max(float* s, int64_t n, float m) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+#endif
+  for (; i < n; ++i) s[i] = std::exp(s[i] - m);
+}
+
+// In place: p = exp(p - max p); returns 1 / sum(p).
+inline float softmax_(float* p, int64_t n) {
+  float m = p[0];
+  for (int64_t t = 1; t < n; ++t) m = std::max(m, p[t]);
+  exp_minus_max(p, n, m);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) total += p[t];
+  return 1.f / total;
+}
+
+// Calls f(slot row, position) for the first len cached positions of a request, block by
+// block: a slot row holds every KV head of one position (contiguous within a block).
+template <typename T, typename F>
+inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, int64_t bs,
+                            int64_t tok_stride, F&& f) {
+  for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
+    const T* row = cache + table[blk] * bs * tok_stride;
+    const int64_t n = std::min(bs, len - start);
+    for (int64_t o = 0; o < n; ++o, row += tok_stride) f(row, start + o);
+  }
+}
+
+// One request and one KV head: its G query heads (qf: [G, D] float32, already scaled) attend
+// to the first len cached positions; writes G output rows of D. scores: room for G * len.
+// The vector path (NC = D / 16 and G known at compile time, G * NC <= 16) keeps the queries
+// and the accumulators in registers and converts each K and V row once for all G heads.
+template <typename T, int NC, int G>
+void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
+                        const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
+                        float* scores) {
+#ifdef __AVX512F__
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * NC * 16 + 16 * c);
+  for_each_cached(kc, table, len, bs, tok_stride, [&](const T* kr, int64_t t) {
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 sum = _mm512_mul_ps(kv[0], qv[g][0]);
+      for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(kv[c], qv[g][c], sum);
+      scores[g * len + t] = _mm512_reduce_add_ps(sum);
+    }
+  });
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_(scores + g * len, len);
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for_each_cached(vc, table, len, bs, tok_stride, [&](const T* vr, int64_t t) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pv = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < NC; ++c) store16(out + g * out_stride + 16 * c, _mm512_mul_ps(acc[g][c], iv));
+  }
+#endif
+}
+
+// The same for any G and D, in scalar code.
+template <typename T>
+void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
+                    const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
+                    float* scores, int64_t group, int64_t d, float* acc) {
+  for_each_cached(kc, table, len, bs, tok_stride, [&](const T* kr, int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * to_f(kr[i]);
+      scores[g * len + t] = sum;
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * len;
+    const float inv = softmax_(scores + g * len, len);
+    std::fill(acc, acc + d, 0.f);
+    for_each_cached(vc, table, len, bs, tok_stride, [&](const T* vr, int64_t t) {
+      for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * to_f(vr[i]);
+    });
+    for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
+  }
+}
+
+using AttendFn = void (*)(void*, int64_t, const float*, const void*, const void*, const int64_t*,
+                          int64_t, int64_t, int64_t, float*);
+
+template <typename T, int NC, int G>
+void attend_erased(void* out, int64_t os, const float* qf, const void* kc, const void* vc,
+                   const int64_t* table, int64_t len, int64_t bs, int64_t ts, float* scores) {
+  attend_kv_head_vec<T, NC, G>(static_cast<T*>(out), os, qf, static_cast<const T*>(kc),
+                               static_cast<const T*>(vc), table, len, bs, ts, scores);
+}
+
+// The register-resident kernel for this head_dim and group size, or nullptr.
+template <typename T>
+AttendFn pick_attend(int64_t d, int64_t group) {
+#ifdef __AVX512F__
+  if (d == 64) {
+    switch (group) {
+      case 1: return &attend_erased<T, 4, 1>;
+      case 2: return &attend_erased<T, 4, 2>;
+      case 3: return &attend_erased<T, 4, 3>;
+      case 4: return &attend_erased<T, 4, 4>;
+    }
+  } else if (d == 128) {
+    switch (group) {
+      case 1: return &attend_erased<T, 8, 1>;
+      case 2: return &attend_erased<T, 8, 2>;
+    }
+  }
+#endif
+  return nullptr;
+}
+
+// Each decode b: its H query heads (G = H / KVH per KV head) attend to the request's first
+// context_lens[b] cached positions, read block by block where they lie.
+// q: [B, H, D] (rows may be strided); out: [B, H, D] contiguous.
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  const int64_t group = heads / kvh;
+  const int64_t plane = kv_cache[0].numel();
+  const T* kc = kv_cache.data_ptr<T>();
+  const T* vc = kc + plane;
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
+  const int64_t tok_stride = kvh * d;  // elements between consecutive slots
+  const AttendFn vec = pick_attend<T>(d, group);
+
+  // One task per (request, KV head): a request's K/V rows stay in this core's cache.
+  at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * d), acc(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kvh, kh = item % kvh;
+      const int64_t len = lens[b];
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i)
+          qf[g * d + i] = to_f(qp[b * qs0 + (kh * group + g) * qs1 + i]) * (float)scale;
+      T* o = op + (b * heads + kh * group) * d;
+      const int64_t* table = tables + b * table_w;
+      if (vec) {
+        vec(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores.data());
+      } else {
+        attend_kv_head(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride,
+                       scores.data(), group, d, acc.data());
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ checks and dispatch
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
+}
+
+// float32, bfloat16 and float16: the dtypes the engine runs in.
+#define CONVEYOR_DISPATCH(dtype, name, ...)                      \
+  AT_DISPATCH_SWITCH(dtype, name,                                \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && w.is_contiguous() && w.numel() == x.size(1) &&
+              w.scalar_type() == x.scalar_type(), "rms_norm: bad shapes or dtypes");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  CONVEYOR_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, w, eps); });
+  return out;
+}
+
+void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && w.numel() == x.size(1) &&
+              w.is_contiguous() && x.scalar_type() == residual.scalar_type() &&
+              w.scalar_type() == x.scalar_type(), "add_rms_norm_: bad shapes or dtypes");
+  CONVEYOR_DISPATCH(x.scalar_type(), "add_rms_norm_",
+                    [&] { add_rms_norm_impl<scalar_t>(x, residual, w, eps); });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: bad shape");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  CONVEYOR_DISPATCH(gate_up.scalar_type(), "silu_mul",
+                    [&] { silu_mul_impl<scalar_t>(out, gate_up); });
+  return out;
+}
+
+void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_sin,
+             int64_t num_heads, int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= num_heads * head_dim && head_dim % 2 == 0 &&
+              positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+              positions.numel() == x.size(0) && cos_sin.scalar_type() == at::kFloat &&
+              cos_sin.is_contiguous() && cos_sin.size(1) == head_dim,
+              "rotary_: bad shapes or dtypes");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < positions.numel(); ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_sin.size(0), "rotary_: position ", pos[i],
+                " outside the RoPE table of ", cos_sin.size(0), " positions");
+  CONVEYOR_DISPATCH(x.scalar_type(), "rotary_",
+                    [&] { rotary_impl<scalar_t>(x, positions, cos_sin, num_heads, head_dim); });
+}
+
+void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "write_kv_: kv_cache must be a contiguous [2, blocks, bs, KVH, D] tensor");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_cache.size(3) &&
+              k.size(2) == kv_cache.size(4) && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
+              k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "write_kv_: bad shapes or dtypes");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "write_kv_: bad slot_mapping");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t i = 0; i < slot_mapping.numel(); ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_: slot ", slots[i],
+                " outside the cache's ", num_slots, " slots");
+  CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_",
+                    [&] { write_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping); });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D]");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+              kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0 &&
+              kv_cache.scalar_type() == q.scalar_type(),
+              "decode_attention: bad kv_cache shape or dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+              block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+              context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+              context_lens.numel() == q.size(0), "decode_attention: bad block tables or lengths");
+  const int64_t bs = kv_cache.size(2), width = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ",
+                lens[b], " outside [1, ", width * bs, "]");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < kv_cache.size(1),
+                  "decode_attention: block ", tables[b * width + i], " outside the cache");
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  CONVEYOR_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(conveyor, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
+  m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_", &rotary_);
+  m.impl("write_kv_", &write_kv_);
+  m.impl("decode_attention", &decode_attention);
+}

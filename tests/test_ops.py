@@ -1,0 +1,126 @@
+"""The C++ CPU kernels (conveyor/ops/csrc) against the torch reference (conveyor/ops/reference).
+
+Elementwise kernels compute in float32 and round where the reference rounds, so in bf16 and
+fp16 nearly every element is identical and the rest differ by one unit in the last place
+(float32 sums in another order); attention agrees to float32 summation order. Shapes cover the vector path (head_dim 64/128 with small groups), the scalar
+path (other head dims, large groups) and row lengths that are not multiples of 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import ops
+from conveyor.model.layers import RotaryEmbedding
+from conveyor.ops import reference
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert ops.load_cpu_kernels(), "the C++ kernels must build on this machine (g++ and ninja)"
+    assert ops.for_device(torch.device("cpu")) is torch.ops.conveyor
+    return torch.ops.conveyor
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:  # a few units in the last place: sums in another order
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+        return
+    eps = torch.finfo(dtype).eps  # one unit in the last place, relative
+    torch.testing.assert_close(actual, expected, rtol=eps, atol=eps * 1e-3)
+    assert (actual == expected).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (13, 576), (300, 100), (5, 7)])
+def test_norms_and_silu_match_reference(kernels, dtype, rows, width) -> None:
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    _assert_same(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), dtype)
+
+    x1, r1, x2, r2 = x.clone(), residual.clone(), x.clone(), residual.clone()
+    kernels.add_rms_norm_(x1, r1, w, 1e-6)
+    reference.add_rms_norm_(x2, r2, w, 1e-6)
+    _assert_same(r1, r2, dtype)
+    _assert_same(x1, x2, dtype)
+
+    gate_up = torch.randn(rows, 2 * width, generator=gen).mul(4).to(dtype)
+    _assert_same(kernels.silu_mul(gate_up), reference.silu_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 40)])
+def test_rotary_and_kv_write_match_reference(kernels, dtype, heads, kv_heads, head_dim) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    t, num_blocks, block_size = 11, 8, 4
+    table = RotaryEmbedding(head_dim, 512, 10000.0, None).cos_sin
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    a, b = qkv.clone(), qkv.clone()
+    kernels.rotary_(a, positions, table, heads + kv_heads, head_dim)
+    reference.rotary_(b, positions, table, heads + kv_heads, head_dim)
+    _assert_same(a, b, dtype)
+    assert torch.equal(a[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+
+    k = a[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = a[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    cache1 = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    cache2 = cache1.clone()
+    kernels.write_kv_(k, v, cache1, slots)
+    reference.write_kv_(k, v, cache2, slots)
+    assert torch.equal(cache1, cache2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64),  # SmolLM2: vector path
+    (8, 8, 64), (8, 2, 128),  # vector path, other group sizes
+    (16, 2, 64), (4, 1, 48),  # scalar path: group of 8, head_dim not a multiple of 16
+])
+def test_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim) -> None:
+    gen = torch.Generator().manual_seed(heads * kv_heads * head_dim)
+    num_blocks, block_size = 40, 16
+    lens = torch.tensor([1, 16, 17, 100, 203])
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # q as the model passes it: a strided view into the fused qkv rows
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    scale = head_dim ** -0.5
+    actual = kernels.decode_attention(q, cache, tables, lens, scale)
+    expected = reference.decode_attention(q, cache, tables, lens, scale)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def test_kernels_refuse_out_of_range_indices(kernels) -> None:
+    cache = torch.zeros(2, 4, 16, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.decode_attention(q, cache, torch.tensor([[7]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernels.decode_attention(q, cache, torch.tensor([[0]]), torch.tensor([17]), 1.0)
+    k = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="slot"):
+        kernels.write_kv_(k, k, cache, torch.tensor([64]))
+    table = RotaryEmbedding(64, 32, 10000.0, None).cos_sin
+    with pytest.raises(RuntimeError, match="RoPE table"):
+        kernels.rotary_(torch.zeros(1, 64), torch.tensor([32]), table, 1, 64)
+
+
+def test_kernels_can_be_switched_off(monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNELS", "0")
+    ops.load_cpu_kernels.cache_clear()
+    try:
+        assert ops.for_device(torch.device("cpu")) is reference
+    finally:
+        monkeypatch.delenv("CONVEYOR_KERNELS")
+        ops.load_cpu_kernels.cache_clear()
+    assert ops.for_device(torch.device("cpu")) is torch.ops.conveyor
