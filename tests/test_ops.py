@@ -124,3 +124,14 @@ def test_kernels_can_be_switched_off(monkeypatch) -> None:
         monkeypatch.delenv("CONVEYOR_KERNELS")
         ops.load_cpu_kernels.cache_clear()
     assert ops.for_device(torch.device("cpu")) is torch.ops.conveyor
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 1003, generator=gen).to(dtype)
+    logits[2, 5] = logits[2, 900] = 50.0  # a tie: the first index wins, as in torch
+    logits[3, 1002] = 50.0  # the maximum in the scalar tail
+    logits[4] = -1.0  # all equal
+    assert torch.equal(kernels.argmax(logits), reference.argmax(logits))
+    assert kernels.argmax(logits)[2] == 5

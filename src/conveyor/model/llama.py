@@ -128,10 +128,10 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> float32 logits [S, vocab]."""
+        """hidden: [S, hidden] -> logits [S, vocab] in the model's dtype."""
         if self.lm_head is None:  # tied and not packed
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def matmul_layers(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
         """Every matmul a decode step runs (projections, MLP, LM head), as (function,

@@ -1,7 +1,7 @@
 """The decode hot path's ops: C++ kernels on CPU, the torch reference elsewhere.
 
 ``for_device(device)`` returns a namespace with ``rms_norm``, ``add_rms_norm_``,
-``silu_mul``, ``rotary_``, ``write_kv_`` and ``decode_attention`` (signatures in
+``silu_mul``, ``rotary_``, ``write_kv_``, ``decode_attention`` and ``argmax`` (signatures in
 ``reference.py``). On CPU it is ``torch.ops.conveyor``, built from ``csrc/cpu_ops.cpp`` by
 ``torch.utils.cpp_extension`` on first use (about a minute; cached under
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``). Each kernel replaces several

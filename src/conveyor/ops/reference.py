@@ -69,3 +69,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                                          attn_mask=mask.view(b, 1, 1, -1), scale=scale,
                                          enable_gqa=True)
     return out.view(b, h, d)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] in any float dtype -> int64 [rows]: the first index of each row's max."""
+    return logits.argmax(dim=-1)

@@ -17,6 +17,7 @@ from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
+from conveyor.ops import for_device
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 
 
@@ -66,7 +67,7 @@ class ModelRunner:
                                       layout.block_size, cfg.num_key_value_heads, cfg.head_dim,
                                       dtype=dtype, device="cpu",
                                       pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, for_device(device))
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
 

@@ -10,10 +10,12 @@ p and cheap to batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from conveyor.core.outputs import Logprob
+from conveyor.ops import reference
 from conveyor.sampling_params import SamplingParams
 
 
@@ -42,13 +44,19 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, ops: Any = reference) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.ops = ops  # conveyor.ops.for_device(device): its argmax reads bf16 logits
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]
                  ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """logits: [S, V] float32, one row per state -> (token ids, logprobs or None each)."""
+        """logits: [S, V] in the model's dtype, one row per state -> (token ids, logprobs or
+        None each)."""
+        if all(_plain_greedy(s) for s in states):
+            # The argmax of the logits as computed: a float32 copy would not change it.
+            return self.ops.argmax(logits).tolist(), [None] * len(states)
+        logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -115,6 +123,12 @@ class Sampler:
             if state.generator is not None:
                 noise[i].exponential_(generator=state.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(state: SamplingState) -> bool:
+    p = state.params
+    return (p.greedy and p.logprobs is None and not p.uses_penalties
+            and not state.banned_token_ids())
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

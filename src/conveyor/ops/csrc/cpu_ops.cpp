@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -278,10 +279,18 @@ inline float softmax_(float* p, int64_t n) {
 // block: a slot row holds every KV head of one position (contiguous within a block).
 template <typename T, typename F>
 inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, int64_t bs,
-                            int64_t tok_stride, F&& f) {
+                            int64_t tok_stride, int64_t row_bytes, F&& f) {
   for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
     const T* row = cache + table[blk] * bs * tok_stride;
     const int64_t n = std::min(bs, len - start);
+#ifdef __AVX512F__
+    if (start + bs < len) {  // the next block may lie anywhere: fetch its rows ahead
+      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * bs * tok_stride);
+      for (int64_t o = 0; o < bs; ++o)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+          _mm_prefetch(next + o * tok_stride * sizeof(T) + byte, _MM_HINT_T0);
+    }
+#endif
     for (int64_t o = 0; o < n; ++o, row += tok_stride) f(row, start + o);
   }
 }
@@ -295,10 +304,11 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
                         const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
                         float* scores) {
 #ifdef __AVX512F__
+  const int64_t row_bytes = NC * 16 * sizeof(T);  // this head's part of a slot row
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * NC * 16 + 16 * c);
-  for_each_cached(kc, table, len, bs, tok_stride, [&](const T* kr, int64_t t) {
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, [&](const T* kr, int64_t t) {
     __m512 kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -312,7 +322,7 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_cached(vc, table, len, bs, tok_stride, [&](const T* vr, int64_t t) {
+  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, [&](const T* vr, int64_t t) {
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -332,7 +342,8 @@ template <typename T>
 void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
                     const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
                     float* scores, int64_t group, int64_t d, float* acc) {
-  for_each_cached(kc, table, len, bs, tok_stride, [&](const T* kr, int64_t t) {
+  const int64_t row_bytes = d * sizeof(T);
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, [&](const T* kr, int64_t t) {
     for (int64_t g = 0; g < group; ++g) {
       float sum = 0.f;
       for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * to_f(kr[i]);
@@ -343,7 +354,7 @@ void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, co
     const float* p = scores + g * len;
     const float inv = softmax_(scores + g * len, len);
     std::fill(acc, acc + d, 0.f);
-    for_each_cached(vc, table, len, bs, tok_stride, [&](const T* vr, int64_t t) {
+    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, [&](const T* vr, int64_t t) {
       for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * to_f(vr[i]);
     });
     for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
@@ -420,6 +431,32 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         attend_kv_head(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride,
                        scores.data(), group, d, acc.data());
       }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ greedy sampling
+// out[r] = the first index of row r's maximum (torch.argmax, for rows without NaN), read in
+// the logits' own dtype: no float32 copy of a [rows, vocab] tensor.
+template <typename T>
+void argmax_impl(at::Tensor& out, const at::Tensor& logits) {
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const T* lp = logits.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* x = lp + r * stride;
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t i = 0;
+#ifdef __AVX512F__
+      __m512 mv = _mm512_set1_ps(m);
+      for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, load16(x + i));
+      m = _mm512_reduce_max_ps(mv);
+#endif
+      for (; i < n; ++i) m = std::max(m, to_f(x[i]));
+      int64_t best = 0;
+      while (best < n - 1 && to_f(x[best]) != m) ++best;
+      op[r] = best;
     }
   });
 }
@@ -530,6 +567,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   return out;
 }
 
+at::Tensor argmax(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax: logits must be [rows, vocab]");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  CONVEYOR_DISPATCH(logits.scalar_type(), "argmax", [&] { argmax_impl<scalar_t>(out, logits); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(conveyor, m) {
@@ -540,6 +585,7 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
@@ -549,4 +595,5 @@ TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("argmax", &argmax);
 }
