@@ -7,6 +7,7 @@ Q/K/V and gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,36 +25,16 @@ DUMMY_INIT_STD = 0.02
 
 
 class Attention(nn.Module):
+    """Q/K/V (fused) and output projections, with Qwen3's optional per-head q/k norms."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim ** -0.5
-        self.ops: Any = reference
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj.forward(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            qk = torch.cat([self.q_norm(q.view(t, h, d)).view(t, -1),
-                            self.k_norm(k.view(t, kvh, d)).view(t, -1)], -1)
-        else:
-            qk = qkv  # q and k are adjacent in the fused output: rotated in place, in one op
-        self.ops.rotary_(qk, positions, cos_sin, h + kvh, d)
-        q = qk[:, :self.q_size].view(t, h, d)
-        k = qk[:, self.q_size:self.q_size + self.kv_size].view(t, kvh, d)
-        out = paged_attention(self.ops, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj.forward(out.reshape(t, self.q_size))
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -61,10 +42,6 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops: Any = reference
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -74,22 +51,31 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.ops: Any = reference
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's MLP output (or the embeddings, with residual None);
-        residual: the stream before it. Returns this layer's (MLP output, residual): each
-        residual add is fused with the norm that follows it."""
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            residual, x = x, self.ops.rms_norm(x, norm1.weight, norm1.eps)
-        else:
-            self.ops.add_rms_norm_(x, residual, norm1.weight, norm1.eps)
-        x = self.self_attn.forward(x, positions, cos_sin, kv_cache, meta)
-        self.ops.add_rms_norm_(x, residual, norm2.weight, norm2.eps)
-        return self.mlp.forward(x), residual
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _LayerRefs:
+    """One decoder layer's weights and matmuls as plain references, so the forward loop reads
+    them without walking nn.Module attributes."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_proj: Matmul
+    o_proj: Matmul
+    gate_up_proj: Matmul
+    down_proj: Matmul
+    q_norm: Matmul | None
+    k_norm: Matmul | None
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> _LayerRefs:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                   attn.qkv_proj.forward, attn.o_proj.forward, mlp.gate_up_proj.forward,
+                   mlp.down_proj.forward, attn.q_norm, attn.k_norm)
 
 
 class CausalLM(nn.Module):
@@ -107,29 +93,57 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.ops: Any = reference
+        self._refs: list[_LayerRefs] | None = None  # built on first forward
 
     def use_ops(self, ops: Any) -> None:
         """Run the hot path with these ops (see conveyor.ops.for_device)."""
-        for module in self.modules():
-            if isinstance(module, Attention | MLP | DecoderLayer | CausalLM):
-                module.ops = ops
+        self.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] -> [T, hidden].
 
-        Submodules are called through ``.forward``: ``nn.Module.__call__``'s hook machinery
-        cost ~1.5 ms per decode step over 30 layers.
+        Each layer: x = the previous MLP output (the embeddings first), residual = the
+        stream before it; every residual add is fused with the norm that follows it.
         """
+        if self._refs is None:
+            self._refs = [_LayerRefs.of(layer) for layer in self.layers]  # type: ignore[arg-type]
+        ops, eps = self.ops, self.config.rms_norm_eps
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin
         assert isinstance(cos_sin, torch.Tensor)
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, positions, cos_sin, kv_caches[i], meta)
+        for layer, kv_cache in zip(self._refs, kv_caches, strict=True):
+            if residual is None:
+                residual, x = x, ops.rms_norm(x, layer.input_norm, eps)
+            else:
+                ops.add_rms_norm_(x, residual, layer.input_norm, eps)
+            x = self._attention(layer, x, positions, cos_sin, kv_cache, meta)
+            ops.add_rms_norm_(x, residual, layer.post_norm, eps)
+            x = layer.down_proj(ops.silu_mul(layer.gate_up_proj(x)))
         if residual is None:  # no layers
-            return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
-        self.ops.add_rms_norm_(x, residual, self.norm.weight, self.norm.eps)
+            return ops.rms_norm(x, self.norm.weight, eps)
+        ops.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
+
+    def _attention(self, layer: _LayerRefs, x: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> torch.Tensor:
+        cfg = self.config
+        t, h, kvh, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = h * d, kvh * d
+        qkv = layer.qkv_proj(x)
+        v = qkv[:, q_size + kv_size:].view(t, kvh, d)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], -1)
+            qk = torch.cat([layer.q_norm(q.view(t, h, d)).view(t, -1),
+                            layer.k_norm(k.view(t, kvh, d)).view(t, -1)], -1)
+        else:
+            qk = qkv  # q and k are adjacent in the fused output: rotated in place, in one op
+        self.ops.rotary_(qk, positions, cos_sin, h + kvh, d)
+        q = qk[:, :q_size].view(t, h, d)
+        k = qk[:, q_size:q_size + kv_size].view(t, kvh, d)
+        out = paged_attention(self.ops, q, k, v, kv_cache, meta, d ** -0.5)
+        return layer.o_proj(out.reshape(t, q_size))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> logits [S, vocab] in the model's dtype."""
@@ -158,6 +172,7 @@ class CausalLM(nn.Module):
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
                                 (mlp, "down_proj")):
                 setattr(owner, name, PackedLinear.from_linear(getattr(owner, name)))
+        self._refs = None  # rebuilt with the packed matmuls
         head = self.lm_head
         assert not isinstance(head, PackedLinear), "already packed"
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,

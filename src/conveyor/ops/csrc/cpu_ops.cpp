@@ -256,22 +256,31 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cach
 }
 
 // ------------------------------------------------------------------ decode attention
-inline void exp_minus_max(float* s, int64_t n, float m) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 mv = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
-#endif
-  for (; i < n; ++i) s[i] = std::exp(s[i] - m);
-}
-
 // In place: p = exp(p - max p); returns 1 / sum(p).
 inline float softmax_(float* p, int64_t n) {
-  float m = p[0];
-  for (int64_t t = 1; t < n; ++t) m = std::max(m, p[t]);
-  exp_minus_max(p, n, m);
-  float total = 0.f;
-  for (int64_t t = 0; t < n; ++t) total += p[t];
+  float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + i));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; ++i) m = std::max(m, p[i]);
+  i = 0;
+#ifdef __AVX512F__
+  mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), mv));
+    _mm512_storeu_ps(p + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; ++i) {
+    p[i] = std::exp(p[i] - m);
+    total += p[i];
+  }
   return 1.f / total;
 }
 
