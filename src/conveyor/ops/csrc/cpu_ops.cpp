@@ -285,15 +285,23 @@ inline float softmax_(float* p, int64_t n) {
 }
 
 // Calls f(slot row, position) for the first len cached positions of a request, block by
-// block: a slot row holds every KV head of one position (contiguous within a block).
+// block: a slot row holds every KV head of one position (contiguous within a block). Fetches
+// each next block's rows ahead (they may lie anywhere) and, if `then` is given (the offset of
+// the V plane while K is read), the same rows of that plane into L2 for the pass after.
 template <typename T, typename F>
 inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, int64_t bs,
-                            int64_t tok_stride, int64_t row_bytes, F&& f) {
+                            int64_t tok_stride, int64_t row_bytes, int64_t then, F&& f) {
   for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
     const T* row = cache + table[blk] * bs * tok_stride;
     const int64_t n = std::min(bs, len - start);
 #ifdef __AVX512F__
-    if (start + bs < len) {  // the next block may lie anywhere: fetch its rows ahead
+    if (then) {
+      const char* same = reinterpret_cast<const char*>(row + then);
+      for (int64_t o = 0; o < n; ++o)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+          _mm_prefetch(same + o * tok_stride * sizeof(T) + byte, _MM_HINT_T1);
+    }
+    if (start + bs < len) {
       const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * bs * tok_stride);
       for (int64_t o = 0; o < bs; ++o)
         for (int64_t byte = 0; byte < row_bytes; byte += 64)
@@ -317,7 +325,7 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * NC * 16 + 16 * c);
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, [&](const T* kr, int64_t t) {
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
     __m512 kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -331,7 +339,7 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, [&](const T* vr, int64_t t) {
+  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -352,7 +360,7 @@ void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, co
                     const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
                     float* scores, int64_t group, int64_t d, float* acc) {
   const int64_t row_bytes = d * sizeof(T);
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, [&](const T* kr, int64_t t) {
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
     for (int64_t g = 0; g < group; ++g) {
       float sum = 0.f;
       for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * to_f(kr[i]);
@@ -363,7 +371,7 @@ void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, co
     const float* p = scores + g * len;
     const float inv = softmax_(scores + g * len, len);
     std::fill(acc, acc + d, 0.f);
-    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, [&](const T* vr, int64_t t) {
+    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
       for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * to_f(vr[i]);
     });
     for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
