@@ -311,3 +311,23 @@ def test_unknown_architecture(tmp_path) -> None:
 def test_unknown_engine_argument() -> None:
     with pytest.raises(ValueError, match="max_num_seq\\b|max_num_seq'"):
         LLM(max_num_seq=4)
+
+
+def test_token_budget_defaults_depend_on_usage() -> None:
+    """Offline favours throughput (2048-token steps), `conveyor serve` inter-token latency
+    (512); an explicit budget wins everywhere; without chunking a prompt must fit one step."""
+    from conveyor.cli import build_parser
+    from conveyor.config import EngineArgs
+    from conveyor.server.cli import server_engine_args
+
+    assert EngineArgs().scheduler_config(4096).max_num_batched_tokens == 2048
+    assert EngineArgs(enable_chunked_prefill=False).scheduler_config(4096) \
+        .max_num_batched_tokens == 4096
+    assert EngineArgs(max_num_batched_tokens=100).scheduler_config(4096) \
+        .max_num_batched_tokens == 100
+    parser = build_parser()
+    assert server_engine_args(parser.parse_args(["serve"])).max_num_batched_tokens == 512
+    explicit = parser.parse_args(["serve", "--max-num-batched-tokens", "100"])
+    assert server_engine_args(explicit).max_num_batched_tokens == 100
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineArgs(max_num_batched_tokens=0)

@@ -167,6 +167,14 @@ class SchedulerConfig:
                      self.max_num_batched_tokens)
 
 
+# The step's token budget when none is given. Offline runs (LLM, `conveyor generate`, the
+# benchmarks) favour throughput: bigger prefill chunks amortise each step's weight reads.
+# `conveyor serve` favours inter-token latency: every running stream waits for the whole step,
+# and a 2048-token step takes ~0.5 s on a 2-core CPU. (vLLM also picks its defaults by usage.)
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+SERVER_MAX_NUM_BATCHED_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every engine argument: an ``LLM(...)`` keyword and a ``--flag`` of the same name.
@@ -182,7 +190,7 @@ class EngineArgs:
     seed: int = 0  # seeds dummy weights and unseeded sampling
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # None: OFFLINE_/SERVER_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     kv_cache_memory: int | float | str = "1GiB"
     enable_prefix_caching: bool = True
@@ -209,6 +217,9 @@ class EngineArgs:
         parse_memory(self.kv_cache_memory)  # validates
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+                     self.max_num_batched_tokens)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -222,8 +233,12 @@ class EngineArgs:
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len
+        budget = self.max_num_batched_tokens
+        if budget is None:  # without chunking, a whole prompt must fit one step
+            budget = (OFFLINE_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                      else max(OFFLINE_MAX_NUM_BATCHED_TOKENS, max_model_len))
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_num_batched_tokens=budget,
                                max_model_len=max_model_len,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                policy=self.policy, preemption=self.preemption,

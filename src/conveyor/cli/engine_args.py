@@ -19,7 +19,8 @@ _HELP = {
     "seed": "seed of dummy weights and of unseeded sampling",
     "max_model_len": "longest sequence (prompt + output); default: the model's context length",
     "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); "
+                              "None: 2048 offline, 512 for `conveyor serve`",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache budget: bytes, or a size like 2GiB / 512MiB",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from conveyor.cli.engine_args import add_engine_args, engine_args_from
+from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from conveyor.server.common import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def server_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The flags as EngineArgs, with the server's token budget unless one is given."""
+    return engine_args_from(args, max_num_batched_tokens=args.max_num_batched_tokens
+                            or SERVER_MAX_NUM_BATCHED_TOKENS)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -50,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     # build (measured: a decode-size linear, 330 vs 500 us); threads other than the main
     # one do not interfere with each other.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        llm_engine = pool.submit(LLMEngine, engine_args_from(args)).result()  # logs KV capacity
+        llm_engine = pool.submit(LLMEngine, server_engine_args(args)).result()  # logs KV capacity
     engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests)
     app = build_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     shutdown_timeout_s=args.shutdown_timeout)
