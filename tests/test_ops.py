@@ -135,3 +135,42 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
     logits[4] = -1.0  # all equal
     assert torch.equal(kernels.argmax(logits), reference.argmax(logits))
     assert kernels.argmax(logits)[2] == 5
+
+
+@pytest.mark.parametrize("arch_overrides", [{}, {"attention_bias": True}])
+def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides) -> None:
+    """ops.decode_layers runs every layer of a decode-only batch in one C++ call: it must give
+    bit-identical hidden states and KV writes to the layer-by-layer Python forward."""
+    from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+    from conveyor.config import ModelConfig
+    from conveyor.model.llama import build_model
+
+    cfg = ModelConfig(architecture="qwen2" if arch_overrides else "llama", vocab_size=300,
+                      hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, **arch_overrides)
+    model = build_model(cfg, torch.bfloat16, torch.device("cpu"), None, seed=1)
+    block_size, num_blocks = 4, 16
+    kv = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+                     cfg.head_dim, dtype=torch.bfloat16)
+    tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
+    lens = [9, 6]  # prompt lengths; each request then decodes one token
+    with torch.inference_mode():
+        for i, n in enumerate(lens):  # prefill both prompts (the Python path)
+            pos = torch.arange(n)
+            slots = tables[i][pos // block_size] * block_size + pos % block_size
+            meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, None)])
+            model(torch.randint(0, 300, (n,)), pos, kv, meta)
+        pos = torch.tensor(lens)
+        slots = tables[torch.arange(2), pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata(slots, 2, tables, pos + 1, [])
+        ids = torch.tensor([5, 17])
+        assert model._decode_weights is not None
+        fused_kv = kv.clone()
+        fused = model(ids, pos, fused_kv, meta)
+        weights, model._decode_weights = model._decode_weights, None  # the Python path
+        try:
+            python = model(ids, pos, kv, meta)
+        finally:
+            model._decode_weights = weights
+    assert torch.equal(fused, python)
+    assert torch.equal(fused_kv, kv)

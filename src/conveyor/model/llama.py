@@ -94,10 +94,12 @@ class CausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.ops: Any = reference
         self._refs: list[_LayerRefs] | None = None  # built on first forward
+        self._decode_weights: tuple[Any, ...] | None = None  # ops.decode_layers' weights
 
     def use_ops(self, ops: Any) -> None:
         """Run the hot path with these ops (see conveyor.ops.for_device)."""
         self.ops = ops
+        self._refs = self._decode_weights = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,10 +110,18 @@ class CausalLM(nn.Module):
         """
         if self._refs is None:
             self._refs = [_LayerRefs.of(layer) for layer in self.layers]  # type: ignore[arg-type]
+            self._decode_weights = self._fused_decode_weights()
         ops, eps = self.ops, self.config.rms_norm_eps
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin
         assert isinstance(cos_sin, torch.Tensor)
+        if self._decode_weights is not None and not meta.prefills:
+            # Decodes only: every layer in one C++ call (the same ops, without Python between).
+            cfg = self.config
+            return ops.decode_layers(x, positions, cos_sin, kv_caches, meta.slot_mapping,
+                                     meta.decode_block_tables, meta.decode_context_lens,
+                                     *self._decode_weights, eps, cfg.num_attention_heads,
+                                     cfg.num_key_value_heads, cfg.head_dim)
         for layer, kv_cache in zip(self._refs, kv_caches, strict=True):
             if residual is None:
                 residual, x = x, ops.rms_norm(x, layer.input_norm, eps)
@@ -124,6 +134,27 @@ class CausalLM(nn.Module):
             return ops.rms_norm(x, self.norm.weight, eps)
         ops.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
+
+    def _fused_decode_weights(self) -> tuple[Any, ...] | None:
+        """The weight lists of ``ops.decode_layers`` when it can run this model: C++ kernels,
+        oneDNN-packed matmuls, no q/k norm. None otherwise."""
+        if not hasattr(self.ops, "decode_layers") or self.config.qk_norm:
+            return None
+        packed: dict[str, list[Any]] = {"input_norm": [], "post_norm": [], "qkv": [],
+                                        "qkv_bias": [], "o": [], "gate_up": [], "down": []}
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            packed["input_norm"].append(layer.input_layernorm.weight)
+            packed["post_norm"].append(layer.post_attention_layernorm.weight)
+            linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
+                       "down": mlp.down_proj}
+            if not all(isinstance(m, PackedLinear) for m in linears.values()):
+                return None
+            for name, m in linears.items():
+                packed[name].append(m.packed)
+            packed["qkv_bias"].append(attn.qkv_proj.bias)
+        return (*packed.values(), self.norm.weight)
 
     def _attention(self, layer: _LayerRefs, x: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -172,7 +203,7 @@ class CausalLM(nn.Module):
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
                                 (mlp, "down_proj")):
                 setattr(owner, name, PackedLinear.from_linear(getattr(owner, name)))
-        self._refs = None  # rebuilt with the packed matmuls
+        self._refs = self._decode_weights = None  # rebuilt with the packed matmuls
         head = self.lm_head
         assert not isinstance(head, PackedLinear), "already packed"
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -592,6 +593,63 @@ at::Tensor argmax(const at::Tensor& logits) {
   return out;
 }
 
+// ------------------------------------------------------------------ the decode loop
+// y = x W^T + b with W pre-packed by oneDNN (conveyor.model.layers.PackedLinear).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                        std::optional<c10::string_view>);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<Fn>();
+  return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
+}
+
+// Every decoder layer of a Llama-family model (no q/k norm) for a batch of decodes only: the
+// same ops in the same order as CausalLM.forward in Python, without returning to Python
+// between them (in a decode step, the interpreter's own work between ~300 small ops costs
+// more than the ops). x: the embeddings [T, hidden], used as the residual stream in place.
+// Returns the final-normed hidden states [T, hidden].
+at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_sin,
+                         at::Tensor kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         at::TensorList input_norms, at::TensorList post_norms,
+                         at::TensorList qkv_w, const c10::List<std::optional<at::Tensor>>& qkv_b,
+                         at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
+                         const at::Tensor& final_norm, double eps, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(layers >= 1 && kv_caches.size(0) == layers &&
+              static_cast<int64_t>(post_norms.size()) == layers &&
+              static_cast<int64_t>(qkv_w.size()) == layers &&
+              static_cast<int64_t>(qkv_b.size()) == layers &&
+              static_cast<int64_t>(o_w.size()) == layers &&
+              static_cast<int64_t>(gate_up_w.size()) == layers &&
+              static_cast<int64_t>(down_w.size()) == layers,
+              "decode_layers: one weight of each kind per layer");
+  const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  at::Tensor residual = x;
+  at::Tensor h = rms_norm(x, input_norms[0], eps);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (l > 0) add_rms_norm_(h, residual, input_norms[l], eps);
+    at::Tensor qkv = packed_linear(h, qkv_w[l], qkv_b.get(l));
+    rotary_(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim);
+    at::Tensor kv_cache = kv_caches.select(0, l);
+    write_kv_(qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
+              qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim}),
+              kv_cache, slot_mapping);
+    at::Tensor attn = decode_attention(qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}),
+                                       kv_cache, block_tables, context_lens, scale);
+    h = packed_linear(attn.view({t, q_size}), o_w[l], std::nullopt);
+    add_rms_norm_(h, residual, post_norms[l], eps);
+    h = packed_linear(silu_mul(packed_linear(h, gate_up_w[l], std::nullopt)), down_w[l],
+                      std::nullopt);
+  }
+  add_rms_norm_(h, residual, final_norm, eps);
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(conveyor, m) {
@@ -603,6 +661,13 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
+  // For every backend: its weights are oneDNN-packed (MkldnnCPU) tensors, its ops are checked.
+  m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor[] input_norms, "
+        "Tensor[] post_norms, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, Tensor[] gate_up_w, "
+        "Tensor[] down_w, Tensor final_norm, float eps, int num_heads, int num_kv_heads, "
+        "int head_dim) -> Tensor",
+        &decode_layers);
 }
 
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
