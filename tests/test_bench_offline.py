@@ -178,3 +178,23 @@ def test_sweep_writes_json_and_both_plots(tiny_dummy_dir: Path, tmp_path: Path,
                                                        "sweep_roofline.png"}
     for path in report["plots"]:
         _assert_png(path)
+
+
+def test_offline_reports_throughput_roofline_and_the_reference_ops_ratio(
+        capsys: pytest.CaptureFixture[str], tiny_dummy_dir: Path) -> None:
+    """`bench offline --against-reference-ops`: the same workload through the C++ kernels and
+    through the torch reference ops, with matching token counts and a consistent ratio."""
+    flags = _engine_flags(tiny_dummy_dir)
+    flags[flags.index("--max-model-len") + 1] = "1024"
+    flags[flags.index("--kv-cache-memory") + 1] = str(4 * TINY_KV_MEMORY)
+    report = _run_json(capsys, ["bench", "offline", "--json", "--num-requests", "6",
+                                "--roofline-batches", "2", "--against-reference-ops", *flags])
+    result, reference = report["result"], report["reference_ops"]
+    assert result["num_requests"] == reference["num_requests"] == 6
+    assert result["output_tokens"] == reference["output_tokens"] > 0
+    assert reference["kernels_over_reference"] == pytest.approx(
+        result["output_tokens_per_s"] / reference["output_tokens_per_s"])
+    (row,) = report["roofline"]
+    assert row["batch"] == 2 and row["ratio"] == pytest.approx(
+        row["decode_step_ms"] / row["bare_matmul_ms"])
+    assert report["engine"]["max_num_batched_tokens"] == 2048  # the offline default

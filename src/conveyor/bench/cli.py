@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--num-requests", type=int, default=64)
     offline.add_argument("--workload-seed", type=int, default=0)
     offline.add_argument("--roofline-batches", type=int, nargs="*", default=[1, 16, 64])
+    offline.add_argument("--against-reference-ops", action="store_true",
+                         help="also run the workload with the torch reference ops instead of "
+                              "the C++ kernels (a second engine) and print the ratio")
     offline.add_argument("--json", action="store_true", help="print the JSON result only")
     offline.add_argument("--result-file", default=None, help="write the JSON result here")
     add_engine_args(offline)
@@ -44,8 +47,9 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     llm = LLM.from_engine_args(engine_args)
+    reference = LLM.from_engine_args(engine_args) if args.against_reference_ops else None
     report = run_offline(llm, Workload(num_requests=args.num_requests, seed=args.workload_seed),
-                         tuple(args.roofline_batches))
+                         tuple(args.roofline_batches), reference_llm=reference)
     _emit(report, args, format_offline)
     return 0
 

@@ -17,6 +17,7 @@ import torch
 
 from conveyor.bench.workloads import warm_up
 from conveyor.engine.llm import LLM
+from conveyor.ops import reference as ops_reference
 from conveyor.sampling_params import SamplingParams
 
 # Token ids for synthetic prompts are drawn above the special tokens of common vocabularies.
@@ -130,11 +131,22 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 
 
 
 def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] = (1, 16, 64),
-                warmup: bool = True) -> dict[str, Any]:
-    """Throughput of the workload plus decode-step-vs-matmul ratios, in one run."""
+                warmup: bool = True, reference_llm: LLM | None = None) -> dict[str, Any]:
+    """Throughput of the workload plus decode-step-vs-matmul ratios, in one run; with
+    ``reference_llm`` (the same engine arguments) also the workload through the torch
+    reference ops instead of the C++ kernels, and the ratio."""
     if warmup:
         warm_up(llm)
     result = run_workload(llm, workload)
+    reference = None
+    if reference_llm is not None:
+        reference_llm.engine.runner.use_ops(ops_reference)
+        if warmup:
+            warm_up(reference_llm)
+        reference = asdict(run_workload(reference_llm, workload))
+        reference["kernels_over_reference"] = (result.output_tokens_per_s
+                                               / reference["output_tokens_per_s"])
+        reference_llm.engine.check_integrity()
     roofline = []
     for batch in roofline_batches:
         matmul = bare_matmul_time(llm, batch)
@@ -143,6 +155,7 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
                          "decode_step_ms": step * 1e3, "ratio": step / matmul})
     llm.engine.check_integrity()
     return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
+            "reference_ops": reference,
             "engine": {"dtype": str(llm.engine.dtype).removeprefix("torch."),
                        "device": str(llm.engine.device),
                        "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
@@ -170,5 +183,10 @@ def format_offline(report: dict[str, Any]) -> str:
     for row in report["roofline"]:
         lines.append(f"{row['batch']:>6} {row['bare_matmul_ms']:>14.1f} "
                      f"{row['decode_step_ms']:>18.1f} {row['ratio']:>8.2f}")
+    ref = report.get("reference_ops")
+    if ref:
+        lines += ["------------ C++ kernels vs torch ops -------------",
+                  f"{'Output tok/s, torch reference ops:':<40}{ref['output_tokens_per_s']:.1f}",
+                  f"{'Kernels / reference:':<40}{ref['kernels_over_reference']:.2f}"]
     lines.append("=" * 50)
     return "\n".join(lines)

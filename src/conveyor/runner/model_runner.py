@@ -9,6 +9,7 @@ the end of its input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,12 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, for_device(device))
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
+
+    def use_ops(self, ops: Any) -> None:
+        """Run the model and the sampler with these ops (``conveyor.ops.for_device`` chose at
+        start; ``conveyor.ops.reference`` for a comparison)."""
+        self.model.use_ops(ops)
+        self.sampler.ops = ops
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
