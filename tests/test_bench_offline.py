@@ -60,7 +60,7 @@ def compare_report(tiny_dummy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     argv = ["bench", "compare", "--scenario", "all", "--json",
             "--result-file", str(out / "compare.json"), "--plot-dir", str(out / "img"),
             "--hol-num-requests", "16", "--hol-prompt-len", "8", "16",
-            "--hol-short-output", "4", "--hol-long-output", "48", "--hol-group", "4",
+            "--hol-short-output", "4", "--hol-long-output", "128", "--hol-group", "4",
             "--hol-max-num-seqs", "4",
             "--frag-num-requests", "12", "--frag-max-model-len", "256",
             "--frag-budget-seqs", "2", "--frag-prompt-len", "20", "60",
@@ -89,7 +89,7 @@ def test_compare_head_of_line(compare_report: tuple[dict[str, Any], Path]) -> No
     hol = compare_report[0]["hol"]
     c, s = hol["runs"]["continuous"], hol["runs"]["static"]
     # Same work (ignore_eos: every request generates exactly max_tokens)...
-    assert c["output_tokens"] == s["output_tokens"] == 12 * 4 + 4 * 48
+    assert c["output_tokens"] == s["output_tokens"] == 12 * 4 + 4 * 128
     # ...but static batching waits for each batch's long request: far more steps.
     assert s["num_steps"] >= 2 * c["num_steps"]
     assert hol["ratios"]["steps_static_over_continuous"] >= 2

@@ -140,6 +140,7 @@ class CausalLM(nn.Module):
         oneDNN-packed matmuls, no q/k norm. None otherwise."""
         if not hasattr(self.ops, "decode_layers") or self.config.qk_norm:
             return None
+        # In the order of decode_layers' arguments.
         packed: dict[str, list[Any]] = {"input_norm": [], "post_norm": [], "qkv": [],
                                         "qkv_bias": [], "o": [], "gate_up": [], "down": []}
         for layer in self.layers:
