@@ -315,8 +315,9 @@ inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, i
 
 // One request and one KV head: its G query heads (qf: [G, D] float32, already scaled) attend
 // to the first len cached positions; writes G output rows of D. scores: room for G * len.
-// The vector path (NC = D / 16 and G known at compile time, G * NC <= 16) keeps the queries
-// and the accumulators in registers and converts each K and V row once for all G heads.
+// The vector path (NC = D / 16 and G known at compile time) keeps the queries and the
+// accumulators in registers (up to G * NC = 32 each, where some spill) and converts each K
+// and V row once for all G heads.
 template <typename T, int NC, int G>
 void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
                         const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
@@ -404,6 +405,7 @@ AttendFn pick_attend(int64_t d, int64_t group) {
     switch (group) {
       case 1: return &attend_erased<T, 8, 1>;
       case 2: return &attend_erased<T, 8, 2>;
+      case 4: return &attend_erased<T, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
     }
   }
 #endif
