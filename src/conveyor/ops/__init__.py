@@ -3,11 +3,13 @@
 ``for_device(device)`` returns a namespace with ``rms_norm``, ``add_rms_norm_``,
 ``silu_mul``, ``rotary_``, ``write_kv_``, ``decode_attention`` and ``argmax`` (signatures in
 ``reference.py``). On CPU it is ``torch.ops.conveyor``, built from ``csrc/cpu_ops.cpp`` by
-``torch.utils.cpp_extension`` on first use (about a minute; cached under
+``torch.utils.cpp_extension`` on first use (~15 s with g++ and ninja; cached under
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``). Each kernel replaces several
 torch ops (norm: 8, RoPE: 6, attention: 2 gathers + mask + SDPA) with one call that does no
-extra copies. If the build fails (no C++ compiler) the engine logs why and runs the reference.
-``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
+extra copies; the C++ namespace also has ``decode_layers``, every decoder layer of a
+decode-only step in one call (``CausalLM.forward`` uses it when present). If the build fails
+(no C++ compiler) the engine logs why and runs the reference. ``CONVEYOR_KERNELS=0`` selects
+the reference on CPU too.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def load_cpu_kernels() -> bool:
 
     try:
         cpp_extension.load(name=f"conveyor_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)],
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: run the reference
         logger.warning("C++ kernels unavailable, using the torch reference ops: %s", exc)
         return False
