@@ -111,7 +111,12 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 
     engine = llm.engine
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    # Room for every request to keep decoding however many steps the prefill takes (the
+    # first-prefilled ones decode meanwhile): the timed steps must run `batch` decodes.
+    max_tokens = engine.scheduler_config.max_model_len - context_len
+    if max_tokens < steps + 2:
+        raise ValueError(f"max_model_len must exceed context_len + {steps + 2}")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request({"prompt_token_ids": [rng.randrange(_FIRST_PLAIN_TOKEN, vocab)
                                                     for _ in range(context_len)]}, params)
            for _ in range(batch)]
@@ -122,6 +127,9 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 
             engine.step()
         times = []
         for _ in range(steps):
+            if len(engine.scheduler.running) != batch:
+                raise RuntimeError(f"a timed step would decode {len(engine.scheduler.running)} "
+                                   f"requests, not {batch}")
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
