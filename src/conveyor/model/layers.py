@@ -22,7 +22,6 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         # The packed tensor is opaque (mkldnn layout): a plain attribute, not a parameter.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach()
