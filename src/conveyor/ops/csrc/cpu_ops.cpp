@@ -98,6 +98,20 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// The largest of n values, as float32 (-inf for n = 0).
+template <typename T>
+inline float row_max(const T* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, load16(x + i));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; ++i) m = std::max(m, to_f(x[i]));
+  return m;
+}
+
 // ------------------------------------------------------------------ RMSNorm
 // out = w * T(x * rsqrt(mean(x^2) + eps)), in float32 (HF LlamaRMSNorm).
 template <typename T>
@@ -259,17 +273,11 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cach
 // ------------------------------------------------------------------ decode attention
 // In place: p = exp(p - max p); returns 1 / sum(p).
 inline float softmax_(float* p, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+  const float m = row_max(p, n);
+  float total = 0.f;
   int64_t i = 0;
 #ifdef __AVX512F__
-  __m512 mv = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + i));
-  m = _mm512_reduce_max_ps(mv);
-#endif
-  for (; i < n; ++i) m = std::max(m, p[i]);
-  i = 0;
-#ifdef __AVX512F__
-  mv = _mm512_set1_ps(m);
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), mv));
@@ -285,6 +293,17 @@ inline float softmax_(float* p, int64_t n) {
   return 1.f / total;
 }
 
+#ifdef __AVX512F__
+// Prefetches the first row_bytes of `rows` rows, tok_stride elements apart, with this hint.
+template <int Hint, typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t tok_stride, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(first);
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64)
+      _mm_prefetch(p + o * tok_stride * sizeof(T) + byte, static_cast<_mm_hint>(Hint));
+}
+#endif
+
 // Calls f(slot row, position) for the first len cached positions of a request, block by
 // block: a slot row holds every KV head of one position (contiguous within a block). Fetches
 // each next block's rows ahead (they may lie anywhere) and, if `then` is given (the offset of
@@ -296,18 +315,9 @@ inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, i
     const T* row = cache + table[blk] * bs * tok_stride;
     const int64_t n = std::min(bs, len - start);
 #ifdef __AVX512F__
-    if (then) {
-      const char* same = reinterpret_cast<const char*>(row + then);
-      for (int64_t o = 0; o < n; ++o)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-          _mm_prefetch(same + o * tok_stride * sizeof(T) + byte, _MM_HINT_T1);
-    }
-    if (start + bs < len) {
-      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * bs * tok_stride);
-      for (int64_t o = 0; o < bs; ++o)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-          _mm_prefetch(next + o * tok_stride * sizeof(T) + byte, _MM_HINT_T0);
-    }
+    if (then) prefetch_rows<_MM_HINT_T1>(row + then, n, tok_stride, row_bytes);
+    if (start + bs < len)
+      prefetch_rows<_MM_HINT_T0>(cache + table[blk + 1] * bs * tok_stride, bs, tok_stride, row_bytes);
 #endif
     for (int64_t o = 0; o < n; ++o, row += tok_stride) f(row, start + o);
   }
@@ -466,14 +476,7 @@ void argmax_impl(at::Tensor& out, const at::Tensor& logits) {
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* x = lp + r * stride;
-      float m = -std::numeric_limits<float>::infinity();
-      int64_t i = 0;
-#ifdef __AVX512F__
-      __m512 mv = _mm512_set1_ps(m);
-      for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, load16(x + i));
-      m = _mm512_reduce_max_ps(mv);
-#endif
-      for (; i < n; ++i) m = std::max(m, to_f(x[i]));
+      const float m = row_max(x, n);
       int64_t best = 0;
       while (best < n - 1 && to_f(x[best]) != m) ++best;
       op[r] = best;
