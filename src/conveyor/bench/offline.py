@@ -96,6 +96,8 @@ def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5) -> float:
     def run() -> None:
         for matmul, n in layers:
             matmul(inputs[n])
+        if engine.device.type == "cuda":  # kernels run asynchronously: wait for them
+            torch.cuda.synchronize(engine.device)
 
     run()
     best = float("inf")
