@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-BLOCK_BYTES = 16 * 1024  # one 16-token block of the tiny MHA model in float32
 
 VARIANTS = [
     ("llama", "llama", {}),
@@ -66,10 +65,12 @@ def test_greedy_on_cuda_matches_transformers_on_cpu(name, arch, overrides, tiny_
     kv_free(llm)
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption,kv_cache_dtype",
+                         [("recompute", "auto"), ("swap", "auto"), ("recompute", "int8")])
 def test_batch_chunking_and_preemption_keep_outputs_on_cuda(tiny_llama_dir, kv_free,
-                                                            preemption: str) -> None:
-    roomy = cuda_llm(tiny_llama_dir)
+                                                            preemption: str,
+                                                            kv_cache_dtype: str) -> None:
+    roomy = cuda_llm(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype)
     batch = prompts(32, roomy.engine.model_config.vocab_size, seed=1)
     alone = [ids(roomy.generate({"prompt_token_ids": p}, GREEDY))[0] for p in batch[:6]]
     together = ids(roomy.generate([{"prompt_token_ids": p} for p in batch], GREEDY))
@@ -77,8 +78,10 @@ def test_batch_chunking_and_preemption_keep_outputs_on_cuda(tiny_llama_dir, kv_f
     kv_free(roomy)
     # 12 blocks for 32 requests of up to 76 tokens and a 16-token budget: chunked prefills
     # next to decodes, and preemptions.
-    tight = cuda_llm(tiny_llama_dir, kv_cache_memory=12 * BLOCK_BYTES, preemption=preemption,
-                     swap_space=24 * BLOCK_BYTES / 2**30, max_num_batched_tokens=16)
+    block_bytes = 16 * roomy.engine.kv_layout.bytes_per_token
+    tight = cuda_llm(tiny_llama_dir, kv_cache_memory=12 * block_bytes, preemption=preemption,
+                     swap_space=24 * block_bytes / 2**30, max_num_batched_tokens=16,
+                     kv_cache_dtype=kv_cache_dtype)
     assert tight.stats()["kv_blocks_total"] == 12
     assert ids(tight.generate([{"prompt_token_ids": p} for p in batch], GREEDY)) == together
     stats = tight.stats()

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 import conveyor.core.block_pool as block_pool
 import conveyor.core.kv_cache_manager as kv_cache_manager
@@ -65,6 +66,58 @@ def test_64_requests_in_a_few_sequences_of_kv_match_an_unconstrained_run(
     else:
         assert stats["num_swapped_blocks"] == 0 and stats["num_preempted_tokens"] > 0
     kv_free(llm)
+
+
+# ---------------------------------------------------------------- int8 KV cache
+def test_int8_kv_cache_halves_the_bytes_and_keeps_outputs_batch_invariant(
+        tiny_llama_dir, prompts64, kv_free) -> None:
+    """kv_cache_dtype="int8": each (token, KV head) row is quantized with its own scale, so
+    a block costs about half (float32 model: a quarter) and a prompt's output does not
+    depend on its batch, its chunking or preemption (quantization is per row)."""
+    roomy = tiny(tiny_llama_dir, kv_cache_dtype="int8")
+    cfg = roomy.engine.model_config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    assert roomy.engine.kv_layout.bytes_per_token == per_token
+    assert roomy.engine.runner.kv_caches.dtype == torch.int8
+    assert roomy.stats()["kv_blocks_total"] == (1 << 20) // (per_token * 16)
+    alone = [token_ids(roomy.generate(p, GREEDY))[0] for p in prompts64[:4]]
+    together = token_ids(roomy.generate(prompts64, GREEDY))
+    assert together[:4] == alone
+    kv_free(roomy)
+    for preemption in ("recompute", "swap"):
+        tight = tiny(tiny_llama_dir, kv_cache_dtype="int8", preemption=preemption,
+                     kv_cache_memory=12 * 16 * per_token, swap_space=24 * 16 * per_token / 2**30,
+                     max_num_batched_tokens=16)
+        assert token_ids(tight.generate(prompts64, GREEDY)) == together
+        assert tight.stats()["num_preemptions"] > 0
+        kv_free(tight)
+
+
+def test_int8_kv_cache_stays_close_to_the_models_dtype(kv_free) -> None:
+    """The default model in float32 with a float32 and an int8 KV cache: greedy outputs of
+    most prompts are identical (quantization moves each K/V element by at most half a step
+    of max|row| / 127), and the others agree for their first tokens."""
+    from conftest_models import default_gguf
+
+    default_gguf()
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+               "Once upon a time", "The three primary colors are", "import numpy as np\n",
+               "Water boils at", "List three fruits:"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for kv_dtype in ("auto", "int8"):
+        llm = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=256,
+                  kv_cache_dtype=kv_dtype)
+        outputs[kv_dtype] = token_ids(llm.generate(prompts, params))
+        kv_free(llm)
+    same = [a == b for a, b in zip(outputs["auto"], outputs["int8"], strict=True)]
+    assert sum(same) >= 6, same
+    assert all(a[:4] == b[:4] for a, b in zip(outputs["auto"], outputs["int8"], strict=True))
+
+
+def test_kv_cache_dtype_is_validated() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="fp4")
 
 
 def test_swapped_block_counter_counts_each_copy_once() -> None:

@@ -76,6 +76,21 @@ def test_rotary_and_kv_write_match_reference(kernels, dtype, heads, kv_heads, he
     reference.write_kv_(k, v, cache2, slots)
     assert torch.equal(cache1, cache2)
 
+    # An int8 cache: the same quantized rows and scales, bit for bit (a zero row included).
+    k = k.clone()
+    k[0, 0] = 0
+    quant1 = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim + 4, dtype=torch.int8)
+    quant2 = quant1.clone()
+    kernels.write_kv_(k, v, quant1, slots)
+    reference.write_kv_(k, v, quant2, slots)
+    assert torch.equal(quant1, quant2)
+    rows = quant1[0].view(-1, kv_heads, head_dim + 4)[slots]
+    restored = reference.dequantize_rows(rows, torch.float32)
+    assert torch.equal(restored[0, 0], torch.zeros(head_dim))
+    # One step of the int8 grid: max|x| / 127 per row.
+    step = k.float().abs().amax(-1, keepdim=True) / 127
+    assert ((restored - k.float()).abs() <= step / 2 + 1e-6).all()
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [
@@ -98,6 +113,13 @@ def test_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, hea
     expected = reference.decode_attention(q, cache, tables, lens, scale)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+    # The same K/V in an int8 cache: the kernel reads the rows with their scales as the
+    # reference dequantizes them (to the model's dtype, hence bf16/fp16's tolerance).
+    quant = reference.quantize_rows(cache)
+    actual = kernels.decode_attention(q, quant, tables, lens, scale)
+    expected = reference.decode_attention(q, quant, tables, lens, scale)
+    torch.testing.assert_close(actual, expected, rtol=max(tol, 2e-3), atol=max(tol, 2e-3))
 
 
 def test_kernels_refuse_out_of_range_indices(kernels) -> None:
@@ -137,8 +159,9 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
     assert kernels.argmax(logits)[2] == 5
 
 
-@pytest.mark.parametrize("arch_overrides", [{}, {"attention_bias": True}])
-def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides) -> None:
+@pytest.mark.parametrize("arch_overrides,kv_dtype", [({}, "auto"), ({"attention_bias": True}, "auto"),
+                                                    ({}, "int8")])
+def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype) -> None:
     """ops.decode_layers runs every layer of a decode-only batch in one C++ call: it must give
     bit-identical hidden states and KV writes to the layer-by-layer Python forward."""
     from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
@@ -150,15 +173,17 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides) -
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, **arch_overrides)
     model = build_model(cfg, torch.bfloat16, torch.device("cpu"), None, seed=1)
     block_size, num_blocks = 4, 16
+    element, width = reference.kv_cache_row(cfg.head_dim, kv_dtype, torch.bfloat16)
     kv = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
-                     cfg.head_dim, dtype=torch.bfloat16)
+                     width, dtype=element)
     tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
     lens = [9, 6]  # prompt lengths; each request then decodes one token
     with torch.inference_mode():
         for i, n in enumerate(lens):  # prefill both prompts (the Python path)
             pos = torch.arange(n)
             slots = tables[i][pos // block_size] * block_size + pos % block_size
-            meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, None)])
+            table = tables[i] if kv_dtype == "int8" else None  # int8: chunks read the cache
+            meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, table)])
             model(torch.randint(0, 300, (n,)), pos, kv, meta)
         pos = torch.tensor(lens)
         slots = tables[torch.arange(2), pos // block_size] * block_size + pos % block_size

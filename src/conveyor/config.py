@@ -113,6 +113,9 @@ class ModelConfig:
         return self.num_hidden_layers * per_layer + embed + h
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size and the memory budget that sets the number of blocks."""
@@ -121,9 +124,12 @@ class CacheConfig:
     kv_cache_memory: int = 1 * GiB  # bytes for K and V of all layers
     enable_prefix_caching: bool = True
     swap_space: int = 4 * GiB  # host memory for swapped-out blocks (preemption="swap")
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (a scale per row)
 
     def __post_init__(self) -> None:
         _require(self.swap_space >= 0, "swap_space", ">= 0 bytes", self.swap_space)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  "a power of two in [1, 256]", self.block_size)
         _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
@@ -193,6 +199,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # None: OFFLINE_/SERVER_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     kv_cache_memory: int | float | str = "1GiB"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (half the bytes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     device: str = "auto"  # "auto" | "cpu" | "cuda"
@@ -215,6 +222,8 @@ class EngineArgs:
         _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda",
                  self.device)
         parse_memory(self.kv_cache_memory)  # validates
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         if self.max_num_batched_tokens is not None:
@@ -229,7 +238,8 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size,
                            kv_cache_memory=parse_memory(self.kv_cache_memory),
                            enable_prefix_caching=self.enable_prefix_caching,
-                           swap_space=int(self.swap_space * GiB))
+                           swap_space=int(self.swap_space * GiB),
+                           kv_cache_dtype=self.kv_cache_dtype)
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len

@@ -1,6 +1,7 @@
 """Paged attention over a ragged batch (CPU, and any device torch runs on).
 
-The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. New K/V
+The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (in an int8
+cache each row also holds its scale: see ``conveyor.ops.reference.quantize_rows``). New K/V
 are written into their slots (``block_id * block_size + offset``) for the whole batch first;
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
@@ -46,13 +47,14 @@ def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              chunk: PrefillChunk, scale: float) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-    if chunk.block_table is None:
+    if chunk.block_table is None:  # no prefix: attend to the fresh K/V
+        assert kv_cache.dtype != torch.int8, "an int8 cache's chunks read the cache"
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        kh = gather_blocks(kv_cache[0], chunk.block_table.unsqueeze(0))
-        vh = gather_blocks(kv_cache[1], chunk.block_table.unsqueeze(0))
+        kh = gather_blocks(kv_cache[0], chunk.block_table.unsqueeze(0), q.dtype)
+        vh = gather_blocks(kv_cache[1], chunk.block_table.unsqueeze(0), q.dtype)
         # Query i sits at position num_computed + i and sees context positions <= that
         # (which also hides the unwritten tail of the last block).
         q_pos = torch.arange(chunk.query_len, device=q.device) + chunk.num_computed_tokens

@@ -23,6 +23,8 @@ _HELP = {
                               "None: 2048 offline, 512 for `conveyor serve`",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache budget: bytes, or a size like 2GiB / 512MiB",
+    "kv_cache_dtype": "auto (the model's dtype) or int8 (each token's K and V per head "
+                      "quantized with its own scale: about half the bytes of bf16)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps",
     "device": "auto, cpu or cuda",

@@ -19,6 +19,7 @@ from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
 from conveyor.ops import for_device
+from conveyor.ops.reference import kv_cache_row
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 
 
@@ -30,6 +31,7 @@ class KVCacheLayout:
     block_size: int
     bytes_per_token: int
     num_swap_blocks: int = 0  # host blocks for swap preemption
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8"
 
     @property
     def num_tokens(self) -> int:
@@ -42,13 +44,14 @@ class KVCacheLayout:
     @classmethod
     def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                     swap: bool = False) -> KVCacheLayout:
-        per_token = model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        element, width = kv_cache_row(model.head_dim, cache.kv_cache_dtype, dtype)
+        per_token = model.kv_bytes_per_token(element.itemsize) * width // model.head_dim
         num_blocks = cache.kv_cache_memory // (per_token * cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
                              f"{cache.block_size} tokens at {per_token} bytes per token")
         num_swap = cache.swap_space // (per_token * cache.block_size) if swap else 0
-        return cls(num_blocks, cache.block_size, per_token, num_swap)
+        return cls(num_blocks, cache.block_size, per_token, num_swap, cache.kv_cache_dtype)
 
 
 class ModelRunner:
@@ -58,14 +61,19 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = layout.block_size
-        dtype = model.embed_tokens.weight.dtype
-        # kv_caches: [layers, 2 (K, V), blocks, block_size, KVH, D]
+        dtype, width = kv_cache_row(cfg.head_dim, layout.kv_cache_dtype,
+                                    model.embed_tokens.weight.dtype)
+        # Every prefill chunk reads its K/V back from an int8 cache, so that a prompt sees
+        # the same (quantized) values however it was chunked.
+        self.prefill_reads_cache = dtype == torch.int8
+        # kv_caches: [layers, 2 (K, V), blocks, block_size, KVH, W]; W = D, or D + 4 in an
+        # int8 cache (conveyor.ops.reference.quantize_rows)
         self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, layout.num_blocks,
-                                     layout.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                     layout.block_size, cfg.num_key_value_heads, width,
                                      dtype=dtype, device=device)
-        # Host copies of swapped-out blocks: [layers, 2, swap_blocks, block_size, KVH, D]
+        # Host copies of swapped-out blocks: [layers, 2, swap_blocks, block_size, KVH, W]
         self.swap_space = torch.zeros(cfg.num_hidden_layers, 2, layout.num_swap_blocks,
-                                      layout.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                      layout.block_size, cfg.num_key_value_heads, width,
                                       dtype=dtype, device="cpu",
                                       pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
         self.sampler = Sampler(device, seed, for_device(device))
@@ -145,7 +153,7 @@ class ModelRunner:
                 num_decodes += 1
             else:
                 table_t = None
-                if start > 0:
+                if start > 0 or self.prefill_reads_cache:
                     table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
                 prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
                                              start, table_t))

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -48,6 +49,9 @@ inline __m512 load16(const BFloat16* p) {
 }
 inline __m512 load16(const Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // float -> bf16 bits in the high half of each lane, rounded to nearest even (NaN -> 0x7FC0,
@@ -249,23 +253,68 @@ void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
 }
 
 // ------------------------------------------------------------------ KV cache write
-// k, v: [T, KVH, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, D] contiguous;
-// slot_mapping: [T] flat slot (block * bs + offset) of each token.
+// k, v: [T, KVH, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, W] contiguous, with
+// W = D for a cache in the model's dtype; slot_mapping: [T] flat slot (block * bs + offset).
+//
+// An int8 cache (kv_cache_dtype="int8") stores each (token, KV head) row as D int8 values and
+// then its float32 scale in 4 bytes (W = D + 4): x ~= scale * q with scale = max|x| / 127 and
+// q = round(x * (127 / max|x|)), rounded to nearest even, as the reference computes it.
+constexpr int64_t kInt8ScaleBytes = 4;
+
+inline float int8_row_scale(const int8_t* row, int64_t d) {
+  float scale;
+  std::memcpy(&scale, row + d, sizeof(float));
+  return scale;
+}
+
 template <typename T>
+inline void quantize_row(int8_t* dst, const T* x, int64_t d) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_setzero_ps();
+  for (; i + 16 <= d; i += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(load16(x + i)));
+  amax = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < d; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float scale = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= d; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), iv));  // nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(q));
+  }
+#endif
+  for (; i < d; ++i)
+    dst[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_f(x[i]) * inv))));
+  std::memcpy(dst + d, &scale, sizeof(float));
+}
+
+template <typename T, typename C>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                    const at::Tensor& slot_mapping) {
-  const int64_t rows = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
+  const int64_t row_w = kv_cache.size(4), slot_w = kvh * row_w;
   const int64_t plane = kv_cache[0].numel();
-  T* kc = kv_cache.data_ptr<T>();
-  T* vc = kc + plane;
+  C* kc = kv_cache.data_ptr<C>();
+  C* vc = kc + plane;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, row_grain(kvh * d), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      std::memcpy(kc + slots[r] * width, kp + r * ks, width * sizeof(T));
-      std::memcpy(vc + slots[r] * width, vp + r * vs, width * sizeof(T));
+      if constexpr (std::is_same_v<C, int8_t>) {
+        for (int64_t h = 0; h < kvh; ++h) {
+          quantize_row(kc + slots[r] * slot_w + h * row_w, kp + r * ks + h * d, d);
+          quantize_row(vc + slots[r] * slot_w + h * row_w, vp + r * vs + h * d, d);
+        }
+      } else {
+        std::memcpy(kc + slots[r] * slot_w, kp + r * ks, slot_w * sizeof(T));
+        std::memcpy(vc + slots[r] * slot_w, vp + r * vs, slot_w * sizeof(T));
+      }
     }
   });
 }
@@ -323,27 +372,76 @@ inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, i
   }
 }
 
+#ifdef __AVX512F__
+// r[i] = the sum of the 16 floats of rows[i], for i < n (0 beyond): a transposing tree of
+// unpacks and 128-bit lane shuffles, 45 vector ops for 16 sums.
+inline __m512 sum16_rows(const float (*rows)[16], int64_t n) {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < n ? _mm512_load_ps(rows[i]) : _mm512_setzero_ps();
+  __m512 w[8];  // per 128-bit lane: positions 0, 2 hold rows 2k; 1, 3 rows 2k + 1
+  for (int k = 0; k < 8; ++k)
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  __m512 x[4];  // per 128-bit lane: position j holds row 4k + j
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 u[2];  // lanes: [x[2k] lanes 0+1, x[2k] lanes 2+3, x[2k+1] lanes 0+1, 2+3]
+  for (int k = 0; k < 2; ++k)
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane L: rows 4L .. 4L + 3
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// The scale of a cached row: its stored float32 scale in an int8 cache, 1 otherwise.
+template <typename C>
+inline float cached_scale(const C* row, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) return int8_row_scale(row, d);
+  else return 1.f;
+}
+
 // One request and one KV head: its G query heads (qf: [G, D] float32, already scaled) attend
 // to the first len cached positions; writes G output rows of D. scores: room for G * len.
+// C is the cache's element type (T, or int8_t with a scale per row: a K row's scale
+// multiplies its scores, a V row's scale its probabilities).
 // The vector path (NC = D / 16 and G known at compile time) keeps the queries and the
 // accumulators in registers (up to G * NC = 32 each, where some spill) and converts each K
 // and V row once for all G heads.
-template <typename T, int NC, int G>
-void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
+template <typename T, typename C, int NC, int G>
+void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const C* kc, const C* vc,
                         const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
-                        float* scores) {
+                        int64_t row_bytes, float* scores) {
 #ifdef __AVX512F__
-  const int64_t row_bytes = NC * 16 * sizeof(T);  // this head's part of a slot row
+  constexpr int64_t d = NC * 16;
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * NC * 16 + 16 * c);
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
+  // Scores 16 positions at a time: each position's G partial-sum vectors wait in `part`,
+  // then one transposing reduction sums 16 of them at once (a horizontal sum per position
+  // costs more than its loads and FMAs once the cache is int8).
+  alignas(64) float part[G][16][16];
+  alignas(64) float kscale[16];
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const C* kr, int64_t t) {
     __m512 kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
+    const int64_t j = t & 15;
+    kscale[j] = cached_scale(kr, d);
     for (int g = 0; g < G; ++g) {
       __m512 sum = _mm512_mul_ps(kv[0], qv[g][0]);
       for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(kv[c], qv[g][c], sum);
-      scores[g * len + t] = _mm512_reduce_add_ps(sum);
+      _mm512_store_ps(part[g][j], sum);
+    }
+    if (j == 15 || t == len - 1) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (j + 1)) - 1);
+      const __m512 sv = _mm512_maskz_load_ps(m, kscale);
+      for (int g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(scores + g * len + t - j, m,
+                              _mm512_mul_ps(sum16_rows(part[g], j + 1), sv));
     }
   });
   float inv[G];
@@ -351,11 +449,12 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
+  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const C* vr, int64_t t) {
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
+    const float vs = cached_scale(vr, d);
     for (int g = 0; g < G; ++g) {
-      const __m512 pv = _mm512_set1_ps(scores[g * len + t]);
+      const __m512 pv = _mm512_set1_ps(scores[g * len + t] * vs);
       for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
     }
   });
@@ -367,55 +466,57 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
 }
 
 // The same for any G and D, in scalar code.
-template <typename T>
-void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
+template <typename T, typename C>
+void attend_kv_head(T* out, int64_t out_stride, const float* qf, const C* kc, const C* vc,
                     const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
-                    float* scores, int64_t group, int64_t d, float* acc) {
-  const int64_t row_bytes = d * sizeof(T);
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
+                    int64_t row_bytes, float* scores, int64_t group, int64_t d, float* acc) {
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const C* kr, int64_t t) {
+    const float ks = cached_scale(kr, d);
     for (int64_t g = 0; g < group; ++g) {
       float sum = 0.f;
       for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * to_f(kr[i]);
-      scores[g * len + t] = sum;
+      scores[g * len + t] = sum * ks;
     }
   });
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * len;
     const float inv = softmax_(scores + g * len, len);
     std::fill(acc, acc + d, 0.f);
-    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
-      for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * to_f(vr[i]);
+    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const C* vr, int64_t t) {
+      const float pv = p[t] * cached_scale(vr, d);
+      for (int64_t i = 0; i < d; ++i) acc[i] += pv * to_f(vr[i]);
     });
     for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
   }
 }
 
 using AttendFn = void (*)(void*, int64_t, const float*, const void*, const void*, const int64_t*,
-                          int64_t, int64_t, int64_t, float*);
+                          int64_t, int64_t, int64_t, int64_t, float*);
 
-template <typename T, int NC, int G>
+template <typename T, typename C, int NC, int G>
 void attend_erased(void* out, int64_t os, const float* qf, const void* kc, const void* vc,
-                   const int64_t* table, int64_t len, int64_t bs, int64_t ts, float* scores) {
-  attend_kv_head_vec<T, NC, G>(static_cast<T*>(out), os, qf, static_cast<const T*>(kc),
-                               static_cast<const T*>(vc), table, len, bs, ts, scores);
+                   const int64_t* table, int64_t len, int64_t bs, int64_t ts, int64_t rb,
+                   float* scores) {
+  attend_kv_head_vec<T, C, NC, G>(static_cast<T*>(out), os, qf, static_cast<const C*>(kc),
+                                  static_cast<const C*>(vc), table, len, bs, ts, rb, scores);
 }
 
 // The register-resident kernel for this head_dim and group size, or nullptr.
-template <typename T>
+template <typename T, typename C>
 AttendFn pick_attend(int64_t d, int64_t group) {
 #ifdef __AVX512F__
   if (d == 64) {
     switch (group) {
-      case 1: return &attend_erased<T, 4, 1>;
-      case 2: return &attend_erased<T, 4, 2>;
-      case 3: return &attend_erased<T, 4, 3>;
-      case 4: return &attend_erased<T, 4, 4>;
+      case 1: return &attend_erased<T, C, 4, 1>;
+      case 2: return &attend_erased<T, C, 4, 2>;
+      case 3: return &attend_erased<T, C, 4, 3>;
+      case 4: return &attend_erased<T, C, 4, 4>;
     }
   } else if (d == 128) {
     switch (group) {
-      case 1: return &attend_erased<T, 8, 1>;
-      case 2: return &attend_erased<T, 8, 2>;
-      case 4: return &attend_erased<T, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
+      case 1: return &attend_erased<T, C, 8, 1>;
+      case 2: return &attend_erased<T, C, 8, 2>;
+      case 4: return &attend_erased<T, C, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
     }
   }
 #endif
@@ -424,24 +525,26 @@ AttendFn pick_attend(int64_t d, int64_t group) {
 
 // Each decode b: its H query heads (G = H / KVH per KV head) attend to the request's first
 // context_lens[b] cached positions, read block by block where they lie.
-// q: [B, H, D] (rows may be strided); out: [B, H, D] contiguous.
-template <typename T>
+// q: [B, H, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, W] of C (see write_kv);
+// out: [B, H, D] contiguous.
+template <typename T, typename C>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            double scale) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3), row_w = kv_cache.size(4);
   const int64_t group = heads / kvh;
   const int64_t plane = kv_cache[0].numel();
-  const T* kc = kv_cache.data_ptr<T>();
-  const T* vc = kc + plane;
+  const C* kc = kv_cache.data_ptr<C>();
+  const C* vc = kc + plane;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
-  const int64_t tok_stride = kvh * d;  // elements between consecutive slots
-  const AttendFn vec = pick_attend<T>(d, group);
+  const int64_t tok_stride = kvh * row_w;  // elements between consecutive slots
+  const int64_t row_bytes = row_w * sizeof(C);  // one head's part of a slot row
+  const AttendFn vec = pick_attend<T, C>(d, group);
 
   // One task per (request, KV head): a request's K/V rows stay in this core's cache.
   at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -455,10 +558,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           qf[g * d + i] = to_f(qp[b * qs0 + (kh * group + g) * qs1 + i]) * (float)scale;
       T* o = op + (b * heads + kh * group) * d;
       const int64_t* table = tables + b * table_w;
+      const C* kh_k = kc + kh * row_w;
+      const C* kh_v = vc + kh * row_w;
       if (vec) {
-        vec(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores.data());
+        vec(o, d, qf.data(), kh_k, kh_v, table, len, bs, tok_stride, row_bytes, scores.data());
       } else {
-        attend_kv_head(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride,
+        attend_kv_head(o, d, qf.data(), kh_k, kh_v, table, len, bs, tok_stride, row_bytes,
                        scores.data(), group, d, acc.data());
       }
     }
@@ -541,14 +646,21 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_si
                     [&] { rotary_impl<scalar_t>(x, positions, cos_sin, num_heads, head_dim); });
 }
 
+// The width of a cached (token, KV head) row for this head_dim: D, or D + 4 in an int8 cache.
+int64_t cache_row_width(const at::Tensor& kv_cache, int64_t head_dim) {
+  return kv_cache.scalar_type() == at::kChar ? head_dim + kInt8ScaleBytes : head_dim;
+}
+
 void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
                const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-              "write_kv_: kv_cache must be a contiguous [2, blocks, bs, KVH, D] tensor");
+              "write_kv_: kv_cache must be a contiguous [2, blocks, bs, KVH, W] tensor");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_cache.size(3) &&
-              k.size(2) == kv_cache.size(4) && k.stride(2) == 1 && v.stride(2) == 1 &&
-              k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
-              k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              kv_cache.size(4) == cache_row_width(kv_cache, k.size(2)) && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
+              (int8 || k.scalar_type() == kv_cache.scalar_type()) &&
+              v.scalar_type() == k.scalar_type(),
               "write_kv_: bad shapes or dtypes");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == k.size(0), "write_kv_: bad slot_mapping");
@@ -557,17 +669,21 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
   for (int64_t i = 0; i < slot_mapping.numel(); ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_: slot ", slots[i],
                 " outside the cache's ", num_slots, " slots");
-  CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_",
-                    [&] { write_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping); });
+  CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_", [&] {
+    if (int8) write_kv_impl<scalar_t, int8_t>(k, v, kv_cache, slot_mapping);
+    else write_kv_impl<scalar_t, scalar_t>(k, v, kv_cache, slot_mapping);
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D]");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-              kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0 &&
-              kv_cache.scalar_type() == q.scalar_type(),
+              kv_cache.size(4) == cache_row_width(kv_cache, q.size(2)) &&
+              q.size(1) % kv_cache.size(3) == 0 &&
+              (int8 || kv_cache.scalar_type() == q.scalar_type()),
               "decode_attention: bad kv_cache shape or dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
               block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
@@ -585,7 +701,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   CONVEYOR_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
+    if (int8) decode_attention_impl<scalar_t, int8_t>(out, q, kv_cache, block_tables, context_lens, scale);
+    else decode_attention_impl<scalar_t, scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
   });
   return out;
 }
