@@ -19,8 +19,8 @@ class PrefillChunk:
     query_start: int  # offset of its first token in the flattened batch
     query_len: int  # tokens computed this step
     num_computed_tokens: int  # tokens already in the cache before this step (its prefix)
-    # [num_blocks] int64 block table covering the prefix and the chunk; None if the chunk
-    # attends to its own fresh K/V only (no prefix, and a cache in the model's dtype).
+    # [num_blocks] int64 block table covering the prefix and the chunk; None if no prefix
+    # (then the chunk attends to its own fresh K/V only).
     block_table: torch.Tensor | None
 
 

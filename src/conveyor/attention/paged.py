@@ -1,7 +1,7 @@
 """Paged attention over a ragged batch (CPU, and any device torch runs on).
 
-The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (in an int8
-cache each row also holds its scale: see ``conveyor.ops.reference.quantize_rows``). New K/V
+The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, or with
+``kv_cache_dtype="int8"`` quantized rows with their scales (``conveyor.ops.reference``). New K/V
 are written into their slots (``block_id * block_size + offset``) for the whole batch first;
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
-from conveyor.ops.reference import gather_blocks
+from conveyor.ops.reference import gather_kv
 
 
 def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -28,6 +28,8 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd = meta.num_decodes
     if not meta.prefills:
         return _decode(ops, q, kv_cache, meta, scale)
+    if kv_cache.dtype == torch.int8:  # prefills attend to the K/V as the cache holds them
+        ops.read_kv_(k[nd:], v[nd:], kv_cache, meta.slot_mapping[nd:])
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
@@ -48,13 +50,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
              chunk: PrefillChunk, scale: float) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     if chunk.block_table is None:  # no prefix: attend to the fresh K/V
-        assert kv_cache.dtype != torch.int8, "an int8 cache's chunks read the cache"
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        kh = gather_blocks(kv_cache[0], chunk.block_table.unsqueeze(0), q.dtype)
-        vh = gather_blocks(kv_cache[1], chunk.block_table.unsqueeze(0), q.dtype)
+        kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)
         # Query i sits at position num_computed + i and sees context positions <= that
         # (which also hides the unwritten tail of the last block).
         q_pos = torch.arange(chunk.query_len, device=q.device) + chunk.num_computed_tokens

@@ -41,60 +41,101 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     heads.copy_(heads * cos + heads.roll(head_dim // 2, -1) * sin)
 
 
-# An int8 KV cache (kv_cache_dtype="int8") stores each (token, KV head) row as D int8 values
-# followed by the row's float32 scale in 4 bytes: x ~= scale * q, scale = max|x| / 127.
+# An int8 KV cache (kv_cache_dtype="int8") is [2, blocks, KVH, bs * (D + 4)] int8: each
+# (plane, block, KV head) owns a head-block with the bs positions' D values, then their bs
+# float32 scales (4 bytes each). A row x is stored as q = round(x * (127 / max|x|)), rounded to
+# nearest even, with scale max|x| / 127 (x ~= scale * q). The values are laid out for the C++
+# kernel (csrc/cpu_ops.cpp): K as [D / 4, bs, 4] (16 positions' 4 consecutive dims in one
+# 64-byte vector), V as [bs / 4, D, 4] (16 dims' 4 consecutive positions in one vector);
+# block_size must be a multiple of 16.
 INT8_SCALE_BYTES = 4
 
 
-def kv_cache_row(head_dim: int, kv_cache_dtype: str, model_dtype: torch.dtype
-                 ) -> tuple[torch.dtype, int]:
-    """(element dtype, row width) of a cached (token, KV head) row."""
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   kv_cache_dtype: str, model_dtype: torch.dtype
+                   ) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of one layer's cache, K and V planes first."""
     if kv_cache_dtype == "int8":
-        return torch.int8, head_dim + INT8_SCALE_BYTES
-    return model_dtype, head_dim
+        return torch.int8, (2, num_blocks, num_kv_heads,
+                            block_size * (head_dim + INT8_SCALE_BYTES))
+    return model_dtype, (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> int8 [..., D + 4]: round(x * (127 / max|x|)) (nearest even), then the
-    float32 scale max|x| / 127 as 4 bytes. A row of zeros has scale 0."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (int8 [..., D], float32 scales [...]): round(x * (127 / max|x|)) (nearest
+    even) and max|x| / 127 per row. A row of zeros has scale 0."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     # (a full tensor divided, not 127 / amax, which torch computes as reciprocal(amax) * 127)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (xf * inv).round().clamp_(-127, 127).to(torch.int8)
-    return torch.cat([q, (amax / 127).view(torch.int8)], -1)
+    return q, (amax / 127).squeeze(-1)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [..., D + 4] -> [..., D] in dtype: scale * q, computed in float32."""
-    d = rows.shape[-1] - INT8_SCALE_BYTES
-    scale = rows[..., d:].contiguous().view(torch.float32)
-    return (rows[..., :d].float() * scale).to(dtype)
+def _int8_views(kv_cache: torch.Tensor, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of an int8 cache [2, blocks, KVH, bs * (D + 4)]: K values [blocks, bs, KVH,
+    D / 4, 4] and V values [blocks, bs / 4, 4, KVH, D] (indexed by block, then position),
+    and the K and V scales [blocks, bs, KVH]."""
+    _, num_blocks, kvh, width = kv_cache.shape
+    bs = width // (head_dim + INT8_SCALE_BYTES)
+    values = kv_cache[..., :bs * head_dim]
+    k = values[0].unflatten(-1, (head_dim // 4, bs, 4)).permute(0, 3, 1, 2, 4)
+    v = values[1].unflatten(-1, (bs // 4, head_dim, 4)).permute(0, 2, 4, 1, 3)
+    scales = kv_cache[..., bs * head_dim:].view(torch.float32)  # [2, blocks, KVH, bs]
+    return k, v, scales[0].transpose(1, 2), scales[1].transpose(1, 2)
 
 
 def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, KVH, D] into kv_cache [2, blocks, bs, KVH, W] at flat slots [T] (an int8
-    cache quantizes each row, W = D + 4)."""
-    kvh, w = kv_cache.shape[-2:]
-    if kv_cache.dtype == torch.int8:
-        k, v = quantize_rows(k), quantize_rows(v)
-    kv_cache[0].view(-1, kvh, w).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, kvh, w).index_copy_(0, slot_mapping, v)
+    """k, v: [T, KVH, D] into the cache at flat slots [T] (block * bs + offset): rows of
+    [2, blocks, bs, KVH, D], or quantized rows of an int8 cache."""
+    if kv_cache.dtype != torch.int8:
+        kvh, d = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+        return
+    t, kvh, d = k.shape
+    k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, d)
+    bs = k_values.shape[1]
+    block, offset = slot_mapping // bs, slot_mapping % bs
+    kq, k_scale = quantize_rows(k)
+    vq, v_scale = quantize_rows(v)
+    k_values[block, offset] = kq.view(t, kvh, d // 4, 4)
+    v_values[block, offset // 4, offset % 4] = vq
+    k_scales[block, offset] = k_scale
+    v_scales[block, offset] = v_scale
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """cache: [blocks, bs, KVH, W]; block_tables: [B, n] -> [B, KVH, n * bs, D] (a view).
-    Gathering whole blocks (not slots) copies 16-token rows; an int8 cache's rows are
-    dequantized to ``dtype``."""
+def read_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """In place: k, v [T, KVH, D] = the rows at these slots as an int8 cache holds them
+    (scale * q in float32, rounded to k's dtype)."""
+    k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, k.shape[-1])
+    bs = k_values.shape[1]
+    block, offset = slot_mapping // bs, slot_mapping % bs
+    k.copy_(k_values[block, offset].flatten(-2).float() * k_scales[block, offset, :, None])
+    v.copy_(v_values[block, offset // 4, offset % 4].float() * v_scales[block, offset, :, None])
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, head_dim: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of whole blocks: block_tables [B, n] -> two [B, KVH, n * bs, D] in dtype
+    (an int8 cache's rows dequantized, scale * q in float32). Gathering whole blocks (not
+    slots) copies 16-token rows."""
     b, n = block_tables.shape
-    _, bs, kvh, w = cache.shape
-    rows = cache.index_select(0, block_tables.view(-1)).view(b, n * bs, kvh, w)
-    if cache.dtype == torch.int8:
-        assert dtype is not None, "an int8 cache is dequantized to the model's dtype"
-        rows = dequantize_rows(rows, dtype)
-    return rows.transpose(1, 2)
+    ids = block_tables.reshape(-1)
+    if kv_cache.dtype != torch.int8:
+        _, _, bs, kvh, d = kv_cache.shape
+        k, v = (kv_cache[i].index_select(0, ids).view(b, n * bs, kvh, d).transpose(1, 2)
+                for i in (0, 1))
+        return k, v
+    k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, head_dim)
+    bs, kvh = k_values.shape[1:3]
+    k = k_values[ids].reshape(b * n, bs, kvh, head_dim).float() * k_scales[ids, ..., None]
+    v = v_values[ids].reshape(b * n, bs, kvh, head_dim).float() * v_scales[ids, ..., None]
+    k, v = (x.to(dtype).reshape(b, n * bs, kvh, head_dim).transpose(1, 2) for x in (k, v))
+    return k, v
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -102,8 +143,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     """q: [B, H, D], one query per request, attends to the first context_lens[b] cached
     positions of its blocks (block_tables [B, max_blocks], padding is ignored) -> [B, H, D]."""
     b, h, d = q.shape
-    ks = gather_blocks(kv_cache[0], block_tables, q.dtype)
-    vs = gather_blocks(kv_cache[1], block_tables, q.dtype)
+    ks, vs = gather_kv(kv_cache, block_tables, d, q.dtype)
     mask = torch.arange(ks.shape[2], device=q.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(q.reshape(b, h, 1, d), ks, vs,
                                          attn_mask=mask.view(b, 1, 1, -1), scale=scale,

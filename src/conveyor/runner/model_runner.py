@@ -8,6 +8,7 @@ the end of its input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
 from conveyor.ops import for_device
-from conveyor.ops.reference import kv_cache_row
+from conveyor.ops.reference import kv_cache_shape
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 
 
@@ -44,8 +45,16 @@ class KVCacheLayout:
     @classmethod
     def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                     swap: bool = False) -> KVCacheLayout:
-        element, width = kv_cache_row(model.head_dim, cache.kv_cache_dtype, dtype)
-        per_token = model.kv_bytes_per_token(element.itemsize) * width // model.head_dim
+        if cache.kv_cache_dtype == "int8" and model.head_dim % 4:
+            raise ValueError(f"kv_cache_dtype='int8' needs a head_dim divisible by 4, the "
+                             f"model's is {model.head_dim}")
+        if cache.kv_cache_dtype == "int8" and cache.block_size % 16:
+            raise ValueError(f"kv_cache_dtype='int8' needs a block_size divisible by 16, got "
+                             f"{cache.block_size}")
+        element, shape = kv_cache_shape(1, cache.block_size, model.num_key_value_heads,
+                                        model.head_dim, cache.kv_cache_dtype, dtype)
+        per_token = model.num_hidden_layers * math.prod(shape) * element.itemsize \
+            // cache.block_size
         num_blocks = cache.kv_cache_memory // (per_token * cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
@@ -61,21 +70,20 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = layout.block_size
-        dtype, width = kv_cache_row(cfg.head_dim, layout.kv_cache_dtype,
-                                    model.embed_tokens.weight.dtype)
-        # Every prefill chunk reads its K/V back from an int8 cache, so that a prompt sees
-        # the same (quantized) values however it was chunked.
-        self.prefill_reads_cache = dtype == torch.int8
-        # kv_caches: [layers, 2 (K, V), blocks, block_size, KVH, W]; W = D, or D + 4 in an
-        # int8 cache (conveyor.ops.reference.quantize_rows)
-        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, layout.num_blocks,
-                                     layout.block_size, cfg.num_key_value_heads, width,
-                                     dtype=dtype, device=device)
-        # Host copies of swapped-out blocks: [layers, 2, swap_blocks, block_size, KVH, W]
-        self.swap_space = torch.zeros(cfg.num_hidden_layers, 2, layout.num_swap_blocks,
-                                      layout.block_size, cfg.num_key_value_heads, width,
-                                      dtype=dtype, device="cpu",
-                                      pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
+
+        def cache(num_blocks: int, device: torch.device | str, **kwargs: Any) -> torch.Tensor:
+            dtype, shape = kv_cache_shape(num_blocks, layout.block_size,
+                                          cfg.num_key_value_heads, cfg.head_dim,
+                                          layout.kv_cache_dtype, model.embed_tokens.weight.dtype)
+            return torch.zeros(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
+                               **kwargs)
+
+        # [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
+        # block_size * (D + 4)], see conveyor.ops.reference)
+        self.kv_caches = cache(layout.num_blocks, device)
+        # Host copies of swapped-out blocks, indexed like kv_caches
+        self.swap_space = cache(layout.num_swap_blocks, "cpu",
+                                pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
         self.sampler = Sampler(device, seed, for_device(device))
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
@@ -153,7 +161,7 @@ class ModelRunner:
                 num_decodes += 1
             else:
                 table_t = None
-                if start > 0 or self.prefill_reads_cache:
+                if start > 0:
                     table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
                 prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
                                              start, table_t))

@@ -253,68 +253,23 @@ void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
 }
 
 // ------------------------------------------------------------------ KV cache write
-// k, v: [T, KVH, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, W] contiguous, with
-// W = D for a cache in the model's dtype; slot_mapping: [T] flat slot (block * bs + offset).
-//
-// An int8 cache (kv_cache_dtype="int8") stores each (token, KV head) row as D int8 values and
-// then its float32 scale in 4 bytes (W = D + 4): x ~= scale * q with scale = max|x| / 127 and
-// q = round(x * (127 / max|x|)), rounded to nearest even, as the reference computes it.
-constexpr int64_t kInt8ScaleBytes = 4;
-
-inline float int8_row_scale(const int8_t* row, int64_t d) {
-  float scale;
-  std::memcpy(&scale, row + d, sizeof(float));
-  return scale;
-}
-
+// k, v: [T, KVH, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, D] contiguous;
+// slot_mapping: [T] flat slot (block * bs + offset) of each token.
 template <typename T>
-inline void quantize_row(int8_t* dst, const T* x, int64_t d) {
-  float amax = 0.f;
-  int64_t i = 0;
-#ifdef __AVX512F__
-  __m512 mv = _mm512_setzero_ps();
-  for (; i + 16 <= d; i += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(load16(x + i)));
-  amax = _mm512_reduce_max_ps(mv);
-#endif
-  for (; i < d; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
-  const float scale = amax / 127.f;
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  i = 0;
-#ifdef __AVX512F__
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (; i + 16 <= d; i += 16) {
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), iv));  // nearest even
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(q));
-  }
-#endif
-  for (; i < d; ++i)
-    dst[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_f(x[i]) * inv))));
-  std::memcpy(dst + d, &scale, sizeof(float));
-}
-
-template <typename T, typename C>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                    const at::Tensor& slot_mapping) {
-  const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
-  const int64_t row_w = kv_cache.size(4), slot_w = kvh * row_w;
+  const int64_t rows = k.size(0), width = k.size(1) * k.size(2);
   const int64_t plane = kv_cache[0].numel();
-  C* kc = kv_cache.data_ptr<C>();
-  C* vc = kc + plane;
+  T* kc = kv_cache.data_ptr<T>();
+  T* vc = kc + plane;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, rows, row_grain(kvh * d), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      if constexpr (std::is_same_v<C, int8_t>) {
-        for (int64_t h = 0; h < kvh; ++h) {
-          quantize_row(kc + slots[r] * slot_w + h * row_w, kp + r * ks + h * d, d);
-          quantize_row(vc + slots[r] * slot_w + h * row_w, vp + r * vs + h * d, d);
-        }
-      } else {
-        std::memcpy(kc + slots[r] * slot_w, kp + r * ks, slot_w * sizeof(T));
-        std::memcpy(vc + slots[r] * slot_w, vp + r * vs, slot_w * sizeof(T));
-      }
+      std::memcpy(kc + slots[r] * width, kp + r * ks, width * sizeof(T));
+      std::memcpy(vc + slots[r] * width, vp + r * vs, width * sizeof(T));
     }
   });
 }
@@ -373,8 +328,8 @@ inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, i
 }
 
 #ifdef __AVX512F__
-// r[i] = the sum of the 16 floats of rows[i], for i < n (0 beyond): a transposing tree of
-// unpacks and 128-bit lane shuffles, 45 vector ops for 16 sums.
+// r[i] = the sum of the 16 floats of rows[i], for i < n (0 beyond):
+// a transposing tree of unpacks and 128-bit lane shuffles, 45 vector ops for 16 sums.
 inline __m512 sum16_rows(const float (*rows)[16], int64_t n) {
   __m512 v[16];
   for (int i = 0; i < 16; ++i) v[i] = i < n ? _mm512_load_ps(rows[i]) : _mm512_setzero_ps();
@@ -398,39 +353,27 @@ inline __m512 sum16_rows(const float (*rows)[16], int64_t n) {
 }
 #endif
 
-// The scale of a cached row: its stored float32 scale in an int8 cache, 1 otherwise.
-template <typename C>
-inline float cached_scale(const C* row, int64_t d) {
-  if constexpr (std::is_same_v<C, int8_t>) return int8_row_scale(row, d);
-  else return 1.f;
-}
-
 // One request and one KV head: its G query heads (qf: [G, D] float32, already scaled) attend
 // to the first len cached positions; writes G output rows of D. scores: room for G * len.
-// C is the cache's element type (T, or int8_t with a scale per row: a K row's scale
-// multiplies its scores, a V row's scale its probabilities).
 // The vector path (NC = D / 16 and G known at compile time) keeps the queries and the
 // accumulators in registers (up to G * NC = 32 each, where some spill) and converts each K
 // and V row once for all G heads.
-template <typename T, typename C, int NC, int G>
-void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const C* kc, const C* vc,
+template <typename T, int NC, int G>
+void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
                         const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
-                        int64_t row_bytes, float* scores) {
+                        float* scores) {
 #ifdef __AVX512F__
-  constexpr int64_t d = NC * 16;
+  const int64_t row_bytes = NC * 16 * sizeof(T);  // this head's part of a slot row
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * NC * 16 + 16 * c);
-  // Scores 16 positions at a time: each position's G partial-sum vectors wait in `part`,
-  // then one transposing reduction sums 16 of them at once (a horizontal sum per position
-  // costs more than its loads and FMAs once the cache is int8).
+  // Each position's G partial-sum vectors wait in `part`; one transposing reduction then
+  // sums 16 positions at once (cheaper than a horizontal sum per position).
   alignas(64) float part[G][16][16];
-  alignas(64) float kscale[16];
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const C* kr, int64_t t) {
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
     __m512 kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
     const int64_t j = t & 15;
-    kscale[j] = cached_scale(kr, d);
     for (int g = 0; g < G; ++g) {
       __m512 sum = _mm512_mul_ps(kv[0], qv[g][0]);
       for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(kv[c], qv[g][c], sum);
@@ -438,10 +381,8 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const C* kc
     }
     if (j == 15 || t == len - 1) {
       const __mmask16 m = static_cast<__mmask16>((1u << (j + 1)) - 1);
-      const __m512 sv = _mm512_maskz_load_ps(m, kscale);
       for (int g = 0; g < G; ++g)
-        _mm512_mask_storeu_ps(scores + g * len + t - j, m,
-                              _mm512_mul_ps(sum16_rows(part[g], j + 1), sv));
+        _mm512_mask_storeu_ps(scores + g * len + t - j, m, sum16_rows(part[g], j + 1));
     }
   });
   float inv[G];
@@ -449,12 +390,11 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const C* kc
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const C* vr, int64_t t) {
+  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
-    const float vs = cached_scale(vr, d);
     for (int g = 0; g < G; ++g) {
-      const __m512 pv = _mm512_set1_ps(scores[g * len + t] * vs);
+      const __m512 pv = _mm512_set1_ps(scores[g * len + t]);
       for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
     }
   });
@@ -466,57 +406,55 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const C* kc
 }
 
 // The same for any G and D, in scalar code.
-template <typename T, typename C>
-void attend_kv_head(T* out, int64_t out_stride, const float* qf, const C* kc, const C* vc,
+template <typename T>
+void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
                     const int64_t* table, int64_t len, int64_t bs, int64_t tok_stride,
-                    int64_t row_bytes, float* scores, int64_t group, int64_t d, float* acc) {
-  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const C* kr, int64_t t) {
-    const float ks = cached_scale(kr, d);
+                    float* scores, int64_t group, int64_t d, float* acc) {
+  const int64_t row_bytes = d * sizeof(T);
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const T* kr, int64_t t) {
     for (int64_t g = 0; g < group; ++g) {
       float sum = 0.f;
       for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * to_f(kr[i]);
-      scores[g * len + t] = sum * ks;
+      scores[g * len + t] = sum;
     }
   });
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * len;
     const float inv = softmax_(scores + g * len, len);
     std::fill(acc, acc + d, 0.f);
-    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const C* vr, int64_t t) {
-      const float pv = p[t] * cached_scale(vr, d);
-      for (int64_t i = 0; i < d; ++i) acc[i] += pv * to_f(vr[i]);
+    for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const T* vr, int64_t t) {
+      for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * to_f(vr[i]);
     });
     for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
   }
 }
 
 using AttendFn = void (*)(void*, int64_t, const float*, const void*, const void*, const int64_t*,
-                          int64_t, int64_t, int64_t, int64_t, float*);
+                          int64_t, int64_t, int64_t, float*);
 
-template <typename T, typename C, int NC, int G>
+template <typename T, int NC, int G>
 void attend_erased(void* out, int64_t os, const float* qf, const void* kc, const void* vc,
-                   const int64_t* table, int64_t len, int64_t bs, int64_t ts, int64_t rb,
-                   float* scores) {
-  attend_kv_head_vec<T, C, NC, G>(static_cast<T*>(out), os, qf, static_cast<const C*>(kc),
-                                  static_cast<const C*>(vc), table, len, bs, ts, rb, scores);
+                   const int64_t* table, int64_t len, int64_t bs, int64_t ts, float* scores) {
+  attend_kv_head_vec<T, NC, G>(static_cast<T*>(out), os, qf, static_cast<const T*>(kc),
+                               static_cast<const T*>(vc), table, len, bs, ts, scores);
 }
 
 // The register-resident kernel for this head_dim and group size, or nullptr.
-template <typename T, typename C>
+template <typename T>
 AttendFn pick_attend(int64_t d, int64_t group) {
 #ifdef __AVX512F__
   if (d == 64) {
     switch (group) {
-      case 1: return &attend_erased<T, C, 4, 1>;
-      case 2: return &attend_erased<T, C, 4, 2>;
-      case 3: return &attend_erased<T, C, 4, 3>;
-      case 4: return &attend_erased<T, C, 4, 4>;
+      case 1: return &attend_erased<T, 4, 1>;
+      case 2: return &attend_erased<T, 4, 2>;
+      case 3: return &attend_erased<T, 4, 3>;
+      case 4: return &attend_erased<T, 4, 4>;
     }
   } else if (d == 128) {
     switch (group) {
-      case 1: return &attend_erased<T, C, 8, 1>;
-      case 2: return &attend_erased<T, C, 8, 2>;
-      case 4: return &attend_erased<T, C, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
+      case 1: return &attend_erased<T, 8, 1>;
+      case 2: return &attend_erased<T, 8, 2>;
+      case 4: return &attend_erased<T, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
     }
   }
 #endif
@@ -525,26 +463,24 @@ AttendFn pick_attend(int64_t d, int64_t group) {
 
 // Each decode b: its H query heads (G = H / KVH per KV head) attend to the request's first
 // context_lens[b] cached positions, read block by block where they lie.
-// q: [B, H, D] (rows may be strided); kv_cache: [2, blocks, bs, KVH, W] of C (see write_kv);
-// out: [B, H, D] contiguous.
-template <typename T, typename C>
+// q: [B, H, D] (rows may be strided); out: [B, H, D] contiguous.
+template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            double scale) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3), row_w = kv_cache.size(4);
+  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3);
   const int64_t group = heads / kvh;
   const int64_t plane = kv_cache[0].numel();
-  const C* kc = kv_cache.data_ptr<C>();
-  const C* vc = kc + plane;
+  const T* kc = kv_cache.data_ptr<T>();
+  const T* vc = kc + plane;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
-  const int64_t tok_stride = kvh * row_w;  // elements between consecutive slots
-  const int64_t row_bytes = row_w * sizeof(C);  // one head's part of a slot row
-  const AttendFn vec = pick_attend<T, C>(d, group);
+  const int64_t tok_stride = kvh * d;  // elements between consecutive slots
+  const AttendFn vec = pick_attend<T>(d, group);
 
   // One task per (request, KV head): a request's K/V rows stay in this core's cache.
   at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -558,14 +494,350 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           qf[g * d + i] = to_f(qp[b * qs0 + (kh * group + g) * qs1 + i]) * (float)scale;
       T* o = op + (b * heads + kh * group) * d;
       const int64_t* table = tables + b * table_w;
-      const C* kh_k = kc + kh * row_w;
-      const C* kh_v = vc + kh * row_w;
       if (vec) {
-        vec(o, d, qf.data(), kh_k, kh_v, table, len, bs, tok_stride, row_bytes, scores.data());
+        vec(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores.data());
       } else {
-        attend_kv_head(o, d, qf.data(), kh_k, kh_v, table, len, bs, tok_stride, row_bytes,
+        attend_kv_head(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride,
                        scores.data(), group, d, acc.data());
       }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ int8 KV cache
+// kv_cache_dtype="int8": [2, blocks, KVH, bs * (D + 4)] int8. Each (plane, block, KV head)
+// owns a contiguous head-block of bs * (D + 4) bytes: the bs positions' D values, then their
+// bs float32 scales. A position's row x is stored as q = round(x * (127 / max|x|)) (nearest
+// even) with scale max|x| / 127, x ~= scale * q. The values are laid out for the kernel:
+//   K: [D / 4][bs][4]: 4 consecutive dims of a position in 4 bytes, and 16 positions' 4
+//      bytes in one 64-byte vector, so that one VNNI instruction takes 16 positions'
+//      products for 4 dims (no horizontal sums);
+//   V: [bs / 4][D][4]: 4 consecutive positions of a dim in 4 bytes, and 16 dims' 4 bytes in
+//      one 64-byte vector, so that one VNNI instruction takes 4 positions' weighted values
+//      for 16 dims.
+// bs must be a multiple of 16 (the kernel reads 16 positions at a time).
+// conveyor/ops/reference.py writes and reads the same layout.
+constexpr int64_t kScaleBytes = 4;
+
+// Quantizes a row of d values into dst[0..d) and returns its scale.
+template <typename T>
+inline float quantize_row(int8_t* dst, const T* x, int64_t d) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_setzero_ps();
+  for (; i + 16 <= d; i += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(load16(x + i)));
+  amax = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < d; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= d; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), iv));  // nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(q));
+  }
+#endif
+  for (; i < d; ++i)
+    dst[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_f(x[i]) * inv))));
+  return amax / 127.f;
+}
+
+template <typename T>
+void write_kv_int8_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                        const at::Tensor& slot_mapping, int64_t bs) {
+  const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
+  const int64_t head_bytes = bs * (d + kScaleBytes);
+  int8_t* kc = kv_cache.data_ptr<int8_t>();
+  int8_t* vc = kc + kv_cache[0].numel();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, rows, row_grain(kvh * d), [&](int64_t b, int64_t e) {
+    std::vector<int8_t> q(d);
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t blk = slots[r] / bs, t = slots[r] % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        int8_t* kb = kc + (blk * kvh + h) * head_bytes;
+        float scale = quantize_row(q.data(), kp + r * ks + h * d, d);
+        for (int64_t d4 = 0; d4 < d / 4; ++d4) std::memcpy(kb + (d4 * bs + t) * 4, &q[4 * d4], 4);
+        std::memcpy(kb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
+        int8_t* vb = vc + (blk * kvh + h) * head_bytes;
+        scale = quantize_row(q.data(), vp + r * vs + h * d, d);
+        for (int64_t i = 0; i < d; ++i) vb[((t / 4) * d + i) * 4 + t % 4] = q[i];
+        std::memcpy(vb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
+      }
+    }
+  });
+}
+
+inline float head_block_scale(const int8_t* hb, int64_t bs, int64_t d, int64_t t) {
+  float scale;
+  std::memcpy(&scale, hb + bs * d + t * kScaleBytes, kScaleBytes);
+  return scale;
+}
+
+// k, v [T, KVH, D] = the rows at these slots as an int8 cache holds them (scale * q in
+// float32, rounded to T): a prefill attends to exactly what later steps will read.
+template <typename T>
+void read_kv_int8_impl(at::Tensor& k, at::Tensor& v, const at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping, int64_t bs) {
+  const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
+  const int64_t head_bytes = bs * (d + kScaleBytes);
+  const int8_t* kc = kv_cache.data_ptr<int8_t>();
+  const int8_t* vc = kc + kv_cache[0].numel();
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, rows, row_grain(kvh * d), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t blk = slots[r] / bs, t = slots[r] % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        const int8_t* kb = kc + (blk * kvh + h) * head_bytes;
+        const int8_t* vb = vc + (blk * kvh + h) * head_bytes;
+        const float ksc = head_block_scale(kb, bs, d, t), vsc = head_block_scale(vb, bs, d, t);
+        T* kr = kp + r * ks + h * d;
+        T* vr = vp + r * vs + h * d;
+        for (int64_t i = 0; i < d; ++i) {
+          kr[i] = static_cast<T>(static_cast<float>(kb[((i / 4) * bs + t) * 4 + i % 4]) * ksc);
+          vr[i] = static_cast<T>(static_cast<float>(vb[((t / 4) * d + i) * 4 + t % 4]) * vsc);
+        }
+      }
+    }
+  });
+}
+
+#ifdef __AVX512F__
+template <int Hint>
+inline void prefetch_bytes(const int8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
+}
+#endif
+// Head-blocks fetched ahead of the one being read (the blocks of a request lie anywhere).
+constexpr int64_t kInt8PrefetchBlocks = 2;
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// One request and one KV head over an int8 cache, vector path (bs % 16 == 0, D % 16 == 0).
+// Scores: each query head is split into two int8 planes, q ~= qscale * (hi + lo / 256), and
+// vpdpbusd multiplies unsigned by signed bytes, so K is read as k + 128 (sign bit flipped)
+// and 128 * sum(plane) taken off: 16 positions x 4 dims per instruction, exact in int32.
+template <typename T, int NC, int G>
+void attend_int8_vec(T* out, int64_t out_stride, const float* qf, const int8_t* kc,
+                     const int8_t* vc, const int64_t* table, int64_t len, int64_t bs,
+                     int64_t kvh, int64_t kh, float* scores) {
+  constexpr int64_t d = NC * 16;
+  const int64_t head_bytes = bs * (d + kScaleBytes);
+  alignas(64) int8_t qhi[G][d], qlo[G][d];
+  float qscale[G];
+  int32_t off_hi[G], off_lo[G];
+  for (int g = 0; g < G; ++g) {
+    const float* q = qf + g * d;
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(q[i]));
+    qscale[g] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sh = 0, sl = 0;
+    for (int64_t i = 0; i < d; ++i) {
+      const float x = q[i] * inv;
+      const float hi = std::nearbyint(x);
+      const float lo = std::max(-127.f, std::min(127.f, std::nearbyint((x - hi) * 256.f)));
+      qhi[g][i] = static_cast<int8_t>(hi);
+      qlo[g][i] = static_cast<int8_t>(lo);
+      sh += qhi[g][i];
+      sl += qlo[g][i];
+    }
+    off_hi[g] = 128 * sh;
+    off_lo[g] = 128 * sl;
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t nblocks = (len + bs - 1) / bs;
+  auto head_block = [&](const int8_t* plane, int64_t blk) {
+    return plane + (table[blk] * kvh + kh) * head_bytes;
+  };
+  for (int64_t blk = 0; blk < std::min(kInt8PrefetchBlocks, nblocks); ++blk)
+    prefetch_bytes<_MM_HINT_T0>(head_block(kc, blk), head_bytes);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int8_t* kb = head_block(kc, blk);
+    if (blk + kInt8PrefetchBlocks < nblocks)
+      prefetch_bytes<_MM_HINT_T0>(head_block(kc, blk + kInt8PrefetchBlocks), head_bytes);
+    prefetch_bytes<_MM_HINT_T1>(head_block(vc, blk), head_bytes);  // for the values' pass
+    const int64_t start = blk * bs, n = std::min(bs, len - start);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      __m512i hi[G], lo[G];
+      for (int g = 0; g < G; ++g) hi[g] = lo[g] = _mm512_setzero_si512();
+      for (int64_t d4 = 0; d4 < d / 4; ++d4) {
+        const __m512i kv = _mm512_xor_si512(_mm512_loadu_si512(kb + (d4 * bs + t0) * 4), flip);
+        for (int g = 0; g < G; ++g) {
+          int32_t h4, l4;
+          std::memcpy(&h4, &qhi[g][4 * d4], 4);
+          std::memcpy(&l4, &qlo[g][4 * d4], 4);
+          hi[g] = _mm512_dpbusd_epi32(hi[g], kv, _mm512_set1_epi32(h4));
+          lo[g] = _mm512_dpbusd_epi32(lo[g], kv, _mm512_set1_epi32(l4));
+        }
+      }
+      const int64_t m_n = std::min<int64_t>(16, n - t0);
+      const __mmask16 m = static_cast<__mmask16>((1u << m_n) - 1);
+      const __m512 ks = _mm512_maskz_loadu_ps(m, kb + bs * d + t0 * kScaleBytes);
+      for (int g = 0; g < G; ++g) {
+        const __m512 h = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi[g], _mm512_set1_epi32(off_hi[g])));
+        const __m512 l = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo[g], _mm512_set1_epi32(off_lo[g])));
+        const __m512 dot = _mm512_fmadd_ps(l, _mm512_set1_ps(1.f / 256.f), h);
+        _mm512_mask_storeu_ps(scores + g * len + start + t0, m,
+                              _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(qscale[g])), ks));
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_(scores + g * len, len);
+  // Values, 16 positions at a time: their weights p * (V row scale) become unsigned bytes
+  // (w ~= wscale * u8, wscale = max w / 255, per 16 positions and query head), and vpdpbusd
+  // sums 4 positions' weighted values for 16 dims, exact in int32; each 16 positions'
+  // integer sums are then scaled into float accumulators.
+  alignas(64) float acc[G][NC][16] = {};
+  alignas(64) uint8_t wq[G][16];
+  float wscale[G];
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int8_t* vb = head_block(vc, blk);
+    if (blk + kInt8PrefetchBlocks < nblocks)
+      prefetch_bytes<_MM_HINT_T0>(head_block(vc, blk + kInt8PrefetchBlocks), head_bytes);
+    const int64_t start = blk * bs, n = std::min(bs, len - start);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t m_n = std::min<int64_t>(16, n - t0);
+      const __mmask16 m = static_cast<__mmask16>((1u << m_n) - 1);
+      const __m512 vs = _mm512_maskz_loadu_ps(m, vb + bs * d + t0 * kScaleBytes);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + g * len + start + t0), vs);
+        const float wmax = _mm512_reduce_max_ps(w);
+        wscale[g] = wmax / 255.f;
+        const __m512 iv = _mm512_set1_ps(wmax > 0.f ? 255.f / wmax : 0.f);
+        _mm_store_si128(reinterpret_cast<__m128i*>(wq[g]),
+                        _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(w, iv))));
+      }
+      __m512i sum[G][NC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) sum[g][c] = _mm512_setzero_si512();
+      for (int64_t r = 0; r < (m_n + 3) / 4; ++r) {
+        const int8_t* quad = vb + ((t0 / 4 + r) * d) * 4;
+        for (int c = 0; c < NC; ++c) {
+          const __m512i vv = _mm512_loadu_si512(quad + 64 * c);
+          for (int g = 0; g < G; ++g) {
+            int32_t w4;
+            std::memcpy(&w4, &wq[g][4 * r], 4);
+            sum[g][c] = _mm512_dpbusd_epi32(sum[g][c], _mm512_set1_epi32(w4), vv);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 ws = _mm512_set1_ps(wscale[g]);
+        for (int c = 0; c < NC; ++c)
+          _mm512_store_ps(acc[g][c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[g][c]), ws,
+                                                     _mm512_load_ps(acc[g][c])));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < NC; ++c)
+      store16(out + g * out_stride + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[g][c]), iv));
+  }
+}
+#endif
+
+// The same for any shape, in scalar code, with float queries and weights.
+template <typename T>
+void attend_int8(T* out, int64_t out_stride, const float* qf, const int8_t* kc, const int8_t* vc,
+                 const int64_t* table, int64_t len, int64_t bs, int64_t kvh, int64_t kh,
+                 float* scores, int64_t group, int64_t d, float* acc) {
+  const int64_t head_bytes = bs * (d + kScaleBytes);
+  for (int64_t t = 0; t < len; ++t) {
+    const int8_t* kb = kc + (table[t / bs] * kvh + kh) * head_bytes;
+    const int64_t o = t % bs;
+    const float ks = head_block_scale(kb, bs, d, o);
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * kb[((i / 4) * bs + o) * 4 + i % 4];
+      scores[g * len + t] = sum * ks;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * len;
+    const float inv = softmax_(scores + g * len, len);
+    std::fill(acc, acc + d, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const int8_t* vb = vc + (table[t / bs] * kvh + kh) * head_bytes;
+      const float pv = p[t] * head_block_scale(vb, bs, d, t % bs);
+      const int64_t o = t % bs;
+      for (int64_t i = 0; i < d; ++i) acc[i] += pv * vb[((o / 4) * d + i) * 4 + o % 4];
+    }
+    for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
+  }
+}
+
+using AttendInt8Fn = void (*)(void*, int64_t, const float*, const int8_t*, const int8_t*,
+                              const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <typename T, int NC, int G>
+void attend_int8_erased(void* out, int64_t os, const float* qf, const int8_t* kc,
+                        const int8_t* vc, const int64_t* table, int64_t len, int64_t bs,
+                        int64_t kvh, int64_t kh, float* scores) {
+  attend_int8_vec<T, NC, G>(static_cast<T*>(out), os, qf, kc, vc, table, len, bs, kvh, kh, scores);
+}
+#endif
+
+template <typename T>
+AttendInt8Fn pick_attend_int8(int64_t d, int64_t group, int64_t bs) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (bs % 16 == 0 && d == 64) {
+    switch (group) {
+      case 1: return &attend_int8_erased<T, 4, 1>;
+      case 2: return &attend_int8_erased<T, 4, 2>;
+      case 3: return &attend_int8_erased<T, 4, 3>;
+      case 4: return &attend_int8_erased<T, 4, 4>;
+    }
+  } else if (bs % 16 == 0 && d == 128) {
+    switch (group) {
+      case 1: return &attend_int8_erased<T, 8, 1>;
+      case 2: return &attend_int8_erased<T, 8, 2>;
+      case 4: return &attend_int8_erased<T, 8, 4>;
+    }
+  }
+#endif
+  return nullptr;
+}
+
+template <typename T>
+void decode_attention_int8_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                double scale, int64_t bs) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kvh = kv_cache.size(2), group = heads / kvh;
+  const int8_t* kc = kv_cache.data_ptr<int8_t>();
+  const int8_t* vc = kc + kv_cache[0].numel();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
+  const AttendInt8Fn vec = pick_attend_int8<T>(d, group, bs);
+  at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * d), acc(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kvh, kh = item % kvh;
+      const int64_t len = lens[b];
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i)
+          qf[g * d + i] = to_f(qp[b * qs0 + (kh * group + g) * qs1 + i]) * (float)scale;
+      T* o = op + (b * heads + kh * group) * d;
+      const int64_t* table = tables + b * table_w;
+      if (vec) vec(o, d, qf.data(), kc, vc, table, len, bs, kvh, kh, scores.data());
+      else attend_int8(o, d, qf.data(), kc, vc, table, len, bs, kvh, kh, scores.data(), group, d,
+                       acc.data());
     }
   });
 }
@@ -646,63 +918,93 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_si
                     [&] { rotary_impl<scalar_t>(x, positions, cos_sin, num_heads, head_dim); });
 }
 
-// The width of a cached (token, KV head) row for this head_dim: D, or D + 4 in an int8 cache.
-int64_t cache_row_width(const at::Tensor& kv_cache, int64_t head_dim) {
-  return kv_cache.scalar_type() == at::kChar ? head_dim + kInt8ScaleBytes : head_dim;
+// The cache's geometry for head_dim d: {blocks, block size, KV heads}. A cache in the model's
+// dtype is [2, blocks, bs, KVH, D]; an int8 one [2, blocks, KVH, bs * (D + 4)] (see above).
+struct CacheShape {
+  int64_t blocks, bs, kvh;
+};
+
+CacheShape cache_shape(const at::Tensor& kv_cache, int64_t d, const char* op) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, op,
+              ": kv_cache must be a contiguous [2, blocks, ...] tensor");
+  if (kv_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) % (d + kScaleBytes) == 0, op,
+                ": an int8 kv_cache must be [2, blocks, KVH, bs * (D + 4)]");
+    return {kv_cache.size(1), kv_cache.size(3) / (d + kScaleBytes), kv_cache.size(2)};
+  }
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(4) == d, op,
+              ": kv_cache must be [2, blocks, bs, KVH, D]");
+  return {kv_cache.size(1), kv_cache.size(2), kv_cache.size(3)};
 }
 
 void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
                const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-              "write_kv_: kv_cache must be a contiguous [2, blocks, bs, KVH, W] tensor");
+  TORCH_CHECK(k.dim() == 3, "write_kv_: k must be [T, KVH, D]");
+  const CacheShape shape = cache_shape(kv_cache, k.size(2), "write_kv_");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_cache.size(3) &&
-              kv_cache.size(4) == cache_row_width(kv_cache, k.size(2)) && k.stride(2) == 1 &&
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == shape.kvh && k.stride(2) == 1 &&
               v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
               (int8 || k.scalar_type() == kv_cache.scalar_type()) &&
-              v.scalar_type() == k.scalar_type(),
+              v.scalar_type() == k.scalar_type() && (!int8 || k.size(2) % 4 == 0),
               "write_kv_: bad shapes or dtypes");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == k.size(0), "write_kv_: bad slot_mapping");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t num_slots = shape.blocks * shape.bs;
   for (int64_t i = 0; i < slot_mapping.numel(); ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_: slot ", slots[i],
                 " outside the cache's ", num_slots, " slots");
   CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_", [&] {
-    if (int8) write_kv_impl<scalar_t, int8_t>(k, v, kv_cache, slot_mapping);
-    else write_kv_impl<scalar_t, scalar_t>(k, v, kv_cache, slot_mapping);
+    if (int8) write_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs);
+    else write_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping);
   });
+}
+
+void read_kv_(at::Tensor k, at::Tensor v, const at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3, "read_kv_: k must be [T, KVH, D]");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar, "read_kv_: for an int8 kv_cache");
+  const CacheShape shape = cache_shape(kv_cache, k.size(2), "read_kv_");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == shape.kvh && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
+              v.scalar_type() == k.scalar_type(), "read_kv_: bad shapes or dtypes");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "read_kv_: bad slot_mapping");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.numel(); ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < shape.blocks * shape.bs, "read_kv_: slot ",
+                slots[i], " outside the cache");
+  CONVEYOR_DISPATCH(k.scalar_type(), "read_kv_",
+                    [&] { read_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs); });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D]");
+  const CacheShape shape = cache_shape(kv_cache, q.size(2), "decode_attention");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-              kv_cache.size(4) == cache_row_width(kv_cache, q.size(2)) &&
-              q.size(1) % kv_cache.size(3) == 0 &&
-              (int8 || kv_cache.scalar_type() == q.scalar_type()),
+  TORCH_CHECK(q.size(1) % shape.kvh == 0 && (int8 || kv_cache.scalar_type() == q.scalar_type()),
               "decode_attention: bad kv_cache shape or dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
               block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
               context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
               context_lens.numel() == q.size(0), "decode_attention: bad block tables or lengths");
-  const int64_t bs = kv_cache.size(2), width = block_tables.size(1);
+  const int64_t bs = shape.bs, width = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ",
                 lens[b], " outside [1, ", width * bs, "]");
     for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < kv_cache.size(1),
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < shape.blocks,
                   "decode_attention: block ", tables[b * width + i], " outside the cache");
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   CONVEYOR_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    if (int8) decode_attention_impl<scalar_t, int8_t>(out, q, kv_cache, block_tables, context_lens, scale);
-    else decode_attention_impl<scalar_t, scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
+    if (int8) decode_attention_int8_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens,
+                                                   scale, bs);
+    else decode_attention_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
   });
   return out;
 }
@@ -780,6 +1082,7 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
   m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("read_kv_(Tensor(a!) k, Tensor(b!) v, Tensor kv_cache, Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
@@ -798,6 +1101,7 @@ TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("read_kv_", &read_kv_);
   m.impl("decode_attention", &decode_attention);
   m.impl("argmax", &argmax);
 }
