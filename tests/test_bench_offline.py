@@ -18,6 +18,7 @@ import pytest
 from conveyor.bench import plots
 from conveyor.bench.sweep import find_knee
 from conveyor.cli import main
+from conveyor.cli.engine_args import parse_engine_override
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_KV_MEMORY = 1 << 20  # 64 blocks of 16 tokens for the tiny MHA model in float32
@@ -198,3 +199,33 @@ def test_offline_reports_throughput_roofline_and_the_reference_ops_ratio(
     assert row["batch"] == 2 and row["ratio"] == pytest.approx(
         row["decode_step_ms"] / row["bare_matmul_ms"])
     assert report["engine"]["max_num_batched_tokens"] == 2048  # the offline default
+
+
+def test_offline_against_a_second_engine_reports_both(
+        capsys: pytest.CaptureFixture[str], tiny_dummy_dir: Path) -> None:
+    """`bench offline --kv-cache-dtype int8 --against kv_cache_dtype=auto`: the workload and
+    the decode-step timing on both engines in one run, and the throughput ratio."""
+    flags = _engine_flags(tiny_dummy_dir)
+    flags[flags.index("--max-model-len") + 1] = "1024"
+    flags[flags.index("--kv-cache-memory") + 1] = str(4 * TINY_KV_MEMORY)
+    report = _run_json(capsys, ["bench", "offline", "--json", "--num-requests", "6",
+                                "--roofline-batches", "2", "--kv-cache-dtype", "int8",
+                                "--against", "kv_cache_dtype=auto", *flags])
+    result, other = report["result"], report["against"]
+    assert report["engine"]["kv_cache_dtype"] == "int8"
+    assert other["changes"] == ["kv_cache_dtype=auto"]
+    assert other["result"]["output_tokens"] == result["output_tokens"] > 0
+    assert other["throughput_ratio"] == pytest.approx(
+        result["output_tokens_per_s"] / other["result"]["output_tokens_per_s"])
+    assert [row["batch"] for row in other["roofline"]] == [2]
+
+
+@pytest.mark.parametrize("text,message", [("kv_cache_dtype", "NAME=VALUE"),
+                                          ("colour=red", "NAME=VALUE"),
+                                          ("enable_prefix_caching=maybe", "true or false"),
+                                          ("max_num_seqs=many", "invalid literal")])
+def test_against_refuses_what_is_not_an_engine_argument(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_engine_override(text)
+    assert parse_engine_override("max-num-seqs=8") == ("max_num_seqs", 8)
+    assert parse_engine_override("enable_prefix_caching=off") == ("enable_prefix_caching", False)

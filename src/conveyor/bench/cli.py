@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.bench import serve_cli
-from conveyor.cli.engine_args import add_engine_args, engine_args_from
+from conveyor.cli.engine_args import add_engine_args, engine_args_from, parse_engine_override
 
 # bench sweep's default max_num_seqs values (and decode batch sizes of its roofline).
 _SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -24,6 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--against-reference-ops", action="store_true",
                          help="also run the workload with the torch reference ops instead of "
                               "the C++ kernels (a second engine) and print the ratio")
+    offline.add_argument("--against", action="append", default=[], metavar="NAME=VALUE",
+                         help="also run the workload and the decode-step timing on a second "
+                              "engine with this engine argument changed (repeatable), e.g. "
+                              "--against kv_cache_dtype=auto, and print the ratios")
     offline.add_argument("--json", action="store_true", help="print the JSON result only")
     offline.add_argument("--result-file", default=None, help="write the JSON result here")
     add_engine_args(offline)
@@ -46,10 +50,14 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     from conveyor.engine.llm import LLM
 
     engine_args = engine_args_from(args)
+    overrides = dict(parse_engine_override(text) for text in args.against)
     llm = LLM.from_engine_args(engine_args)
     reference = LLM.from_engine_args(engine_args) if args.against_reference_ops else None
+    against = (LLM.from_engine_args(engine_args_from(args, **overrides)), args.against) \
+        if overrides else None
     report = run_offline(llm, Workload(num_requests=args.num_requests, seed=args.workload_seed),
-                         tuple(args.roofline_batches), reference_llm=reference)
+                         tuple(args.roofline_batches), reference_llm=reference,
+                         against=against)
     _emit(report, args, format_offline)
     return 0
 

@@ -140,11 +140,24 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 
     return sorted(times)[len(times) // 2]
 
 
+def roofline_rows(llm: LLM, batches: tuple[int, ...]) -> list[dict[str, float]]:
+    """A decode step against the bare matmuls at each batch size."""
+    rows = []
+    for batch in batches:
+        matmul = bare_matmul_time(llm, batch)
+        step = decode_step_time(llm, batch)
+        rows.append({"batch": batch, "bare_matmul_ms": matmul * 1e3,
+                     "decode_step_ms": step * 1e3, "ratio": step / matmul})
+    return rows
+
+
 def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] = (1, 16, 64),
-                warmup: bool = True, reference_llm: LLM | None = None) -> dict[str, Any]:
+                warmup: bool = True, reference_llm: LLM | None = None,
+                against: tuple[LLM, list[str]] | None = None) -> dict[str, Any]:
     """Throughput of the workload plus decode-step-vs-matmul ratios, in one run; with
     ``reference_llm`` (the same engine arguments) also the workload through the torch
-    reference ops instead of the C++ kernels, and the ratio."""
+    reference ops instead of the C++ kernels, and the ratio; with ``against`` (a second
+    engine and the engine arguments it changes) its throughput, ratio and decode steps."""
     if warmup:
         warm_up(llm)
     result = run_workload(llm, workload)
@@ -157,21 +170,34 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
         reference["kernels_over_reference"] = (result.output_tokens_per_s
                                                / reference["output_tokens_per_s"])
         reference_llm.engine.check_integrity()
-    roofline = []
-    for batch in roofline_batches:
-        matmul = bare_matmul_time(llm, batch)
-        step = decode_step_time(llm, batch)
-        roofline.append({"batch": batch, "bare_matmul_ms": matmul * 1e3,
-                         "decode_step_ms": step * 1e3, "ratio": step / matmul})
+    other: dict[str, Any] | None = None
+    if against is not None:
+        other_llm, changes = against
+        if warmup:
+            warm_up(other_llm)
+        other_result = run_workload(other_llm, workload)
+        other = {"changes": changes, "result": asdict(other_result),
+                 "throughput_ratio": (result.output_tokens_per_s
+                                      / other_result.output_tokens_per_s)}
+    roofline = roofline_rows(llm, roofline_batches)
+    if against is not None and other is not None:
+        other["roofline"] = roofline_rows(against[0], roofline_batches)
+        against[0].engine.check_integrity()
     llm.engine.check_integrity()
     return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
-            "reference_ops": reference,
+            "reference_ops": reference, "against": other,
             "engine": {"dtype": str(llm.engine.dtype).removeprefix("torch."),
                        "device": str(llm.engine.device),
+                       "kv_cache_dtype": llm.engine.kv_layout.kv_cache_dtype,
                        "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
                        "max_num_batched_tokens":
                            llm.engine.scheduler_config.max_num_batched_tokens,
                        "threads": torch.get_num_threads()}}
+
+
+def _roofline_line(row: dict[str, float]) -> str:
+    return (f"{row['batch']:>6} {row['bare_matmul_ms']:>14.1f} {row['decode_step_ms']:>18.1f} "
+            f"{row['ratio']:>8.2f}")
 
 
 def format_offline(report: dict[str, Any]) -> str:
@@ -190,13 +216,19 @@ def format_offline(report: dict[str, Any]) -> str:
         "------------- Decode step vs matmuls -------------",
         f"{'batch':>6} {'matmuls (ms)':>14} {'decode step (ms)':>18} {'ratio':>8}",
     ]
-    for row in report["roofline"]:
-        lines.append(f"{row['batch']:>6} {row['bare_matmul_ms']:>14.1f} "
-                     f"{row['decode_step_ms']:>18.1f} {row['ratio']:>8.2f}")
+    lines += [_roofline_line(row) for row in report["roofline"]]
     ref = report.get("reference_ops")
     if ref:
         lines += ["------------ C++ kernels vs torch ops -------------",
                   f"{'Output tok/s, torch reference ops:':<40}{ref['output_tokens_per_s']:.1f}",
                   f"{'Kernels / reference:':<40}{ref['kernels_over_reference']:.2f}"]
+    other = report.get("against")
+    if other:
+        changes = " ".join(other["changes"])
+        lines += [f"{' against ' + changes + ' ':-^50}",
+                  f"{'Output tok/s:':<40}{other['result']['output_tokens_per_s']:.1f}",
+                  f"{'This engine / that one:':<40}{other['throughput_ratio']:.2f}",
+                  f"{'batch':>6} {'matmuls (ms)':>14} {'decode step (ms)':>18} {'ratio':>8}"]
+        lines += [_roofline_line(row) for row in other["roofline"]]
     lines.append("=" * 50)
     return "\n".join(lines)

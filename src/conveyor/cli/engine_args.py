@@ -67,3 +67,19 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
               if f.name != "extra" and hasattr(ns, f.name)}
     values.update(overrides)
     return EngineArgs(**values)
+
+
+def parse_engine_override(text: str) -> tuple[str, Any]:
+    """"name=value" -> (an EngineArgs field, the value in its type), e.g. for a second engine
+    that differs from the first in one argument. ValueError names what is wrong."""
+    name, sep, raw = text.partition("=")
+    name = name.strip().replace("-", "_")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
+    if not sep or name not in fields:
+        raise ValueError(f"expected NAME=VALUE with NAME an engine argument, got {text!r}")
+    kind = _base_type(typing.get_type_hints(EngineArgs)[name])
+    if kind is bool:
+        if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
+            raise ValueError(f"{name} takes true or false, got {raw!r}")
+        return name, raw.lower() in ("true", "1", "on")
+    return name, kind(raw)
