@@ -65,10 +65,19 @@ inline __m512i bf16_bits(__m512 v) {
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
 }
 
+// float -> bf16, rounded to nearest even: one instruction with AVX512-BF16 (which also flushes
+// denormals below 1.2e-38 to zero, unlike c10::BFloat16), else the integer rounding above.
+inline __m256i bf16_round(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16));
+#endif
+}
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_round(v));
 }
 inline void store16(Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -78,7 +87,9 @@ inline void store16(Half* p, __m512 v) {
 // round_as<T> on 16 lanes.
 template <typename T> inline __m512 round16(__m512 v);
 template <> inline __m512 round16<float>(__m512 v) { return v; }
-template <> inline __m512 round16<BFloat16>(__m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+template <> inline __m512 round16<BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
 template <> inline __m512 round16<Half>(__m512 v) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
