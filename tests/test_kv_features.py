@@ -115,9 +115,11 @@ def test_int8_kv_cache_stays_close_to_the_models_dtype(kv_free) -> None:
     assert all(a[:4] == b[:4] for a, b in zip(outputs["auto"], outputs["int8"], strict=True))
 
 
-def test_kv_cache_dtype_is_validated() -> None:
+def test_kv_cache_dtype_is_validated(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="block_size"):  # the int8 layout packs 16 positions
+        tiny(tiny_llama_dir, kv_cache_dtype="int8", block_size=8)
 
 
 def test_swapped_block_counter_counts_each_copy_once() -> None:

@@ -502,28 +502,19 @@ AttendFn pick_attend(int64_t d, int64_t group) {
   return nullptr;
 }
 
-// Each decode b: its H query heads (G = H / KVH per KV head) attend to the request's first
-// context_lens[b] cached positions, read block by block where they lie.
-// q: [B, H, D] (rows may be strided); out: [B, H, D] contiguous.
-template <typename T>
-void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           double scale) {
-  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = kv_cache.size(2), kvh = kv_cache.size(3);
-  const int64_t group = heads / kvh;
-  const int64_t plane = kv_cache[0].numel();
-  const T* kc = kv_cache.data_ptr<T>();
-  const T* vc = kc + plane;
+// The task loop of decode attention: one task per (request, KV head), so that a request's
+// K/V rows stay in this core's cache. For each, attend(o, qf, table, len, kh, scores, acc)
+// gets the task's G output rows, its G queries scaled in float32, the request's block table
+// and context length, and scratch space.
+template <typename T, typename F>
+void for_each_decode_task(at::Tensor& out, const at::Tensor& q, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens, double scale, int64_t kvh, F&& attend) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), group = heads / kvh;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
-  const int64_t tok_stride = kvh * d;  // elements between consecutive slots
-  const AttendFn vec = pick_attend<T>(d, group);
-
-  // One task per (request, KV head): a request's K/V rows stay in this core's cache.
   at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     std::vector<float> scores, qf(group * d), acc(d);
@@ -533,15 +524,31 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g)
         scaled_row(qf.data() + g * d, qp + b * qs0 + (kh * group + g) * qs1, d, (float)scale);
-      T* o = op + (b * heads + kh * group) * d;
-      const int64_t* table = tables + b * table_w;
-      if (vec) {
-        vec(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores.data());
-      } else {
-        attend_kv_head(o, d, qf.data(), kc + kh * d, vc + kh * d, table, len, bs, tok_stride,
-                       scores.data(), group, d, acc.data());
-      }
+      attend(op + (b * heads + kh * group) * d, qf.data(), tables + b * table_w, len, kh,
+             scores.data(), acc.data());
     }
+  });
+}
+
+// Each decode b: its H query heads (G = H / KVH per KV head) attend to the request's first
+// context_lens[b] cached positions, read block by block where they lie.
+// q: [B, H, D] (rows may be strided); out: [B, H, D] contiguous.
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           double scale) {
+  const int64_t d = q.size(2), bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  const int64_t group = q.size(1) / kvh;
+  const T* kc = kv_cache.data_ptr<T>();
+  const T* vc = kc + kv_cache[0].numel();
+  const int64_t tok_stride = kvh * d;  // elements between consecutive slots
+  const AttendFn vec = pick_attend<T>(d, group);
+  for_each_decode_task<T>(out, q, block_tables, context_lens, scale, kvh,
+                          [&](T* o, const float* qf, const int64_t* table, int64_t len,
+                              int64_t kh, float* scores, float* acc) {
+    if (vec) vec(o, d, qf, kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores);
+    else attend_kv_head(o, d, qf, kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores,
+                        group, d, acc);
   });
 }
 
@@ -862,31 +869,15 @@ template <typename T>
 void decode_attention_int8_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
                                 double scale, int64_t bs) {
-  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kvh = kv_cache.size(2), group = heads / kvh;
+  const int64_t d = q.size(2), kvh = kv_cache.size(2), group = q.size(1) / kvh;
   const int8_t* kc = kv_cache.data_ptr<int8_t>();
   const int8_t* vc = kc + kv_cache[0].numel();
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), table_w = block_tables.size(1);
   const AttendInt8Fn vec = pick_attend_int8<T>(d, group, bs);
-  at::parallel_for(0, batch * kvh, 1, [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;
-    std::vector<float> scores, qf(group * d), acc(d);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kvh, kh = item % kvh;
-      const int64_t len = lens[b];
-      scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g)
-        scaled_row(qf.data() + g * d, qp + b * qs0 + (kh * group + g) * qs1, d, (float)scale);
-      T* o = op + (b * heads + kh * group) * d;
-      const int64_t* table = tables + b * table_w;
-      if (vec) vec(o, d, qf.data(), kc, vc, table, len, bs, kvh, kh, scores.data());
-      else attend_int8(o, d, qf.data(), kc, vc, table, len, bs, kvh, kh, scores.data(), group, d,
-                       acc.data());
-    }
+  for_each_decode_task<T>(out, q, block_tables, context_lens, scale, kvh,
+                          [&](T* o, const float* qf, const int64_t* table, int64_t len,
+                              int64_t kh, float* scores, float* acc) {
+    if (vec) vec(o, d, qf, kc, vc, table, len, bs, kvh, kh, scores);
+    else attend_int8(o, d, qf, kc, vc, table, len, bs, kvh, kh, scores, group, d, acc);
   });
 }
 
