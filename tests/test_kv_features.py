@@ -5,6 +5,7 @@ workload ends with all KV blocks free."""
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -193,14 +194,16 @@ def system_prompted() -> list[dict[str, list[int]]]:
             for _ in range(12)]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_shared_system_prompt_hits_the_cache_and_outputs_match_uncached(
-        tiny_llama_dir, system_prompted, kv_free) -> None:
+        tiny_llama_dir, system_prompted, kv_free, kv_cache_dtype: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    uncached = tiny(tiny_llama_dir, enable_prefix_caching=False)
+    tiny_kv = functools.partial(tiny, kv_cache_dtype=kv_cache_dtype)
+    uncached = tiny_kv(tiny_llama_dir, enable_prefix_caching=False)
     want = token_ids(uncached.generate(system_prompted, params))
     assert uncached.stats()["prefix_cache_hits"] == 0
     kv_free(uncached)
-    cached = tiny(tiny_llama_dir)
+    cached = tiny_kv(tiny_llama_dir)
     first = cached.generate(system_prompted[:1], params)  # warms the cache
     rest = cached.generate(system_prompted[1:], params)
     assert token_ids(first + rest) == want
