@@ -120,7 +120,9 @@ class ModelRunner:
             return ModelRunnerOutput({})
         ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         states = [self.states[s.request_id] for s in samplers]
         token_ids, logprobs = self.sampler(logits, states)
         result = ModelRunnerOutput({})
@@ -147,24 +149,33 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
+        # Decodes (first in the batch) in plain Python: per request, numpy costs more than
+        # the arithmetic; prefill chunks as arrays.
+        decode_pos: list[int] = []
+        decode_slots: list[int] = []
         pos_parts, slot_parts = [], []
         prefills: list[PrefillChunk] = []
         num_decodes = 0
         for s in batch:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            if s.num_new_tokens == 1:
+                ids.append(self.tokens[s.request_id][start])
+                decode_pos.append(start)
+                decode_slots.append(s.block_ids[start // bs] * bs + start % bs)
+                num_decodes += 1
+                continue
             ids.extend(self.tokens[s.request_id][start:end])
             pos = np.arange(start, end)
             table = np.asarray(s.block_ids)
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
-            if s.num_new_tokens == 1:
-                num_decodes += 1
-            else:
-                table_t = None
-                if start > 0:
-                    table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
-                prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
-                                             start, table_t))
+            table_t = None
+            if start > 0:
+                table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
+            prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
+                                         start, table_t))
+        pos_parts.insert(0, np.array(decode_pos, dtype=np.int64))
+        slot_parts.insert(0, np.array(decode_slots, dtype=np.int64))
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
