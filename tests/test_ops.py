@@ -218,3 +218,37 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
             model._decode_weights = weights
     assert torch.equal(fused, python)
     assert torch.equal(fused_kv, kv)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_write_decode_attention_is_the_write_then_the_attention(kernels, kv_dtype) -> None:
+    """The fused decode op (each int8 attention task writes its own new row first) leaves the
+    same cache bytes and gives the same outputs as write_kv_ followed by decode_attention."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 80
+    dtype, shape = reference.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim,
+                                            kv_dtype, torch.bfloat16)
+    cache = torch.zeros(shape, dtype=dtype)
+    everything = torch.arange(num_blocks * block_size)
+    reference.write_kv_(torch.randn(len(everything), kv_heads, head_dim, generator=gen).to(
+        torch.bfloat16), torch.randn(len(everything), kv_heads, head_dim, generator=gen).to(
+        torch.bfloat16), cache, everything)
+    lens = torch.tensor([1, 16, 17, 100, 203])
+    width = int((lens.max() + block_size - 1) // block_size)
+    # Each request owns its blocks, as in the engine (a block being written is nobody else's).
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    slots = tables[torch.arange(len(lens)), (lens - 1) // block_size] * block_size \
+        + (lens - 1) % block_size  # each request's newest position
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(
+        torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(len(lens), kv_heads,
+                                                                    head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(len(lens), kv_heads, head_dim)
+    separate = cache.clone()
+    kernels.write_kv_(k, v, separate, slots)
+    expected = kernels.decode_attention(q, separate, tables, lens, head_dim ** -0.5)
+    actual = kernels.write_decode_attention_(k, v, cache, slots, q, tables, lens,
+                                             head_dim ** -0.5)
+    assert torch.equal(cache, separate)
+    assert torch.equal(actual, expected)

@@ -6,7 +6,8 @@ are written into their slots (``block_id * block_size + offset``) for the whole 
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
 one with torch's SDPA: causal inside the chunk, full over the cached prefix (gathered block by
-block). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
+block). A decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
+attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D] -> [T, H, D]."""
-    ops.write_kv_(k, v, kv_cache, meta.slot_mapping)
     nd = meta.num_decodes
-    if not meta.prefills:
-        return _decode(ops, q, kv_cache, meta, scale)
+    if not meta.prefills:  # decodes only: the K/V write and the attention in one op
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        return ops.write_decode_attention_(k, v, kv_cache, meta.slot_mapping, q,
+                                           meta.decode_block_tables, meta.decode_context_lens,
+                                           scale)
+    ops.write_kv_(k, v, kv_cache, meta.slot_mapping)
     if kv_cache.dtype == torch.int8:  # prefills attend to the K/V as the cache holds them
         ops.read_kv_(k[nd:], v[nd:], kv_cache, meta.slot_mapping[nd:])
     out = torch.empty_like(q)

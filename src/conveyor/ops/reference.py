@@ -151,6 +151,16 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return out.view(b, h, d)
 
 
+def write_decode_attention_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, q: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """A decode-only batch: write_kv_, then decode_attention (the C++ kernel fuses them for
+    an int8 cache)."""
+    write_kv_(k, v, kv_cache, slot_mapping)
+    return decode_attention(q, kv_cache, block_tables, context_lens, scale)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] in any float dtype -> int64 [rows]: the first index of each row's max."""
     return logits.argmax(dim=-1)

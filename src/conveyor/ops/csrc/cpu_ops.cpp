@@ -503,9 +503,9 @@ AttendFn pick_attend(int64_t d, int64_t group) {
 }
 
 // The task loop of decode attention: one task per (request, KV head), so that a request's
-// K/V rows stay in this core's cache. For each, attend(o, qf, table, len, kh, scores, acc)
-// gets the task's G output rows, its G queries scaled in float32, the request's block table
-// and context length, and scratch space.
+// K/V rows stay in this core's cache. For each, attend(o, qf, table, len, b, kh, scores, acc)
+// gets the task's G output rows, its G queries scaled in float32, the request's block table,
+// context length and index, the KV head, and scratch space.
 template <typename T, typename F>
 void for_each_decode_task(at::Tensor& out, const at::Tensor& q, const at::Tensor& block_tables,
                           const at::Tensor& context_lens, double scale, int64_t kvh, F&& attend) {
@@ -524,7 +524,7 @@ void for_each_decode_task(at::Tensor& out, const at::Tensor& q, const at::Tensor
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g)
         scaled_row(qf.data() + g * d, qp + b * qs0 + (kh * group + g) * qs1, d, (float)scale);
-      attend(op + (b * heads + kh * group) * d, qf.data(), tables + b * table_w, len, kh,
+      attend(op + (b * heads + kh * group) * d, qf.data(), tables + b * table_w, len, b, kh,
              scores.data(), acc.data());
     }
   });
@@ -545,7 +545,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const AttendFn vec = pick_attend<T>(d, group);
   for_each_decode_task<T>(out, q, block_tables, context_lens, scale, kvh,
                           [&](T* o, const float* qf, const int64_t* table, int64_t len,
-                              int64_t kh, float* scores, float* acc) {
+                              int64_t, int64_t kh, float* scores, float* acc) {
     if (vec) vec(o, d, qf, kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores);
     else attend_kv_head(o, d, qf, kc + kh * d, vc + kh * d, table, len, bs, tok_stride, scores,
                         group, d, acc);
@@ -592,11 +592,27 @@ inline float quantize_row(int8_t* dst, const T* x, int64_t d) {
   return amax / 127.f;
 }
 
+// Quantizes one position's K and V rows of one KV head into their head-blocks (slot t of
+// block blk); q: scratch for d values.
+template <typename T>
+inline void write_int8_rows(int8_t* kc, int8_t* vc, int64_t blk, int64_t t, int64_t h,
+                            int64_t kvh, int64_t bs, int64_t d, const T* k, const T* v,
+                            int8_t* q) {
+  const int64_t head_bytes = bs * (d + kScaleBytes);
+  int8_t* kb = kc + (blk * kvh + h) * head_bytes;
+  float scale = quantize_row(q, k, d);
+  for (int64_t d4 = 0; d4 < d / 4; ++d4) std::memcpy(kb + (d4 * bs + t) * 4, q + 4 * d4, 4);
+  std::memcpy(kb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
+  int8_t* vb = vc + (blk * kvh + h) * head_bytes;
+  scale = quantize_row(q, v, d);
+  for (int64_t i = 0; i < d; ++i) vb[((t / 4) * d + i) * 4 + t % 4] = q[i];
+  std::memcpy(vb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
+}
+
 template <typename T>
 void write_kv_int8_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                         const at::Tensor& slot_mapping, int64_t bs) {
   const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
-  const int64_t head_bytes = bs * (d + kScaleBytes);
   int8_t* kc = kv_cache.data_ptr<int8_t>();
   int8_t* vc = kc + kv_cache[0].numel();
   const T* kp = k.data_ptr<T>();
@@ -607,19 +623,10 @@ void write_kv_int8_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv
   // every core takes part in those misses.
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
     std::vector<int8_t> q(d);
-    for (int64_t r = b; r < e; ++r) {
-      const int64_t blk = slots[r] / bs, t = slots[r] % bs;
-      for (int64_t h = 0; h < kvh; ++h) {
-        int8_t* kb = kc + (blk * kvh + h) * head_bytes;
-        float scale = quantize_row(q.data(), kp + r * ks + h * d, d);
-        for (int64_t d4 = 0; d4 < d / 4; ++d4) std::memcpy(kb + (d4 * bs + t) * 4, &q[4 * d4], 4);
-        std::memcpy(kb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
-        int8_t* vb = vc + (blk * kvh + h) * head_bytes;
-        scale = quantize_row(q.data(), vp + r * vs + h * d, d);
-        for (int64_t i = 0; i < d; ++i) vb[((t / 4) * d + i) * 4 + t % 4] = q[i];
-        std::memcpy(vb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
-      }
-    }
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t h = 0; h < kvh; ++h)
+        write_int8_rows(kc, vc, slots[r] / bs, slots[r] % bs, h, kvh, bs, d,
+                        kp + r * ks + h * d, vp + r * vs + h * d, q.data());
   });
 }
 
@@ -865,17 +872,31 @@ AttendInt8Fn pick_attend_int8(int64_t d, int64_t group, int64_t bs) {
   return nullptr;
 }
 
+// With k and v ([B, KVH, D], the decodes' new rows) and their slots, each task first writes
+// its request's new row of its KV head, then attends (write_decode_attention_): the write
+// and the reads share the cache misses of the request's last block.
 template <typename T>
-void decode_attention_int8_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+void decode_attention_int8_impl(at::Tensor& out, const at::Tensor& q, at::Tensor& kv_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                double scale, int64_t bs) {
+                                double scale, int64_t bs, const at::Tensor* k = nullptr,
+                                const at::Tensor* v = nullptr,
+                                const at::Tensor* slot_mapping = nullptr) {
   const int64_t d = q.size(2), kvh = kv_cache.size(2), group = q.size(1) / kvh;
-  const int8_t* kc = kv_cache.data_ptr<int8_t>();
-  const int8_t* vc = kc + kv_cache[0].numel();
+  int8_t* kc = kv_cache.data_ptr<int8_t>();
+  int8_t* vc = kc + kv_cache[0].numel();
   const AttendInt8Fn vec = pick_attend_int8<T>(d, group, bs);
+  const T* kp = k ? k->data_ptr<T>() : nullptr;
+  const T* vp = v ? v->data_ptr<T>() : nullptr;
+  const int64_t* slots = slot_mapping ? slot_mapping->data_ptr<int64_t>() : nullptr;
+  const int64_t ks = k ? k->stride(0) : 0, vs = v ? v->stride(0) : 0;
   for_each_decode_task<T>(out, q, block_tables, context_lens, scale, kvh,
                           [&](T* o, const float* qf, const int64_t* table, int64_t len,
-                              int64_t kh, float* scores, float* acc) {
+                              int64_t b, int64_t kh, float* scores, float* acc) {
+    if (slots) {
+      int8_t scratch[1024];  // head_dim <= 1024 (checked)
+      write_int8_rows(kc, vc, slots[b] / bs, slots[b] % bs, kh, kvh, bs, d,
+                      kp + b * ks + kh * d, vp + b * vs + kh * d, scratch);
+    }
     if (vec) vec(o, d, qf, kc, vc, table, len, bs, kvh, kh, scores);
     else attend_int8(o, d, qf, kc, vc, table, len, bs, kvh, kh, scores, group, d, acc);
   });
@@ -976,15 +997,17 @@ CacheShape cache_shape(const at::Tensor& kv_cache, int64_t d, const char* op) {
   return {kv_cache.size(1), kv_cache.size(2), kv_cache.size(3)};
 }
 
-void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
-               const at::Tensor& slot_mapping) {
+// Checks k, v [T, KVH, D] and their slots against the cache; returns its geometry.
+CacheShape check_write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3, "write_kv_: k must be [T, KVH, D]");
   const CacheShape shape = cache_shape(kv_cache, k.size(2), "write_kv_");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == shape.kvh && k.stride(2) == 1 &&
               v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
               (int8 || k.scalar_type() == kv_cache.scalar_type()) &&
-              v.scalar_type() == k.scalar_type() && (!int8 || k.size(2) % 4 == 0),
+              v.scalar_type() == k.scalar_type() &&
+              (!int8 || (k.size(2) % 4 == 0 && k.size(2) <= 1024)),
               "write_kv_: bad shapes or dtypes");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == k.size(0), "write_kv_: bad slot_mapping");
@@ -993,6 +1016,39 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
   for (int64_t i = 0; i < slot_mapping.numel(); ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_: slot ", slots[i],
                 " outside the cache's ", num_slots, " slots");
+  return shape;
+}
+
+// Checks q [B, H, D], the block tables and the context lengths against the cache.
+CacheShape check_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D]");
+  const CacheShape shape = cache_shape(kv_cache, q.size(2), "decode_attention");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.size(1) % shape.kvh == 0 && (int8 || kv_cache.scalar_type() == q.scalar_type()),
+              "decode_attention: bad kv_cache shape or dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+              block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+              context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+              context_lens.numel() == q.size(0), "decode_attention: bad block tables or lengths");
+  const int64_t bs = shape.bs, width = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ",
+                lens[b], " outside [1, ", width * bs, "]");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < shape.blocks,
+                  "decode_attention: block ", tables[b * width + i], " outside the cache");
+  }
+  return shape;
+}
+
+void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+               const at::Tensor& slot_mapping) {
+  const CacheShape shape = check_write_kv(k, v, kv_cache, slot_mapping);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_", [&] {
     if (int8) write_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs);
     else write_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping);
@@ -1020,30 +1076,36 @@ void read_kv_(at::Tensor k, at::Tensor v, const at::Tensor& kv_cache,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D]");
-  const CacheShape shape = cache_shape(kv_cache, q.size(2), "decode_attention");
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q.size(1) % shape.kvh == 0 && (int8 || kv_cache.scalar_type() == q.scalar_type()),
-              "decode_attention: bad kv_cache shape or dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-              block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
-              context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
-              context_lens.numel() == q.size(0), "decode_attention: bad block tables or lengths");
-  const int64_t bs = shape.bs, width = block_tables.size(1);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ",
-                lens[b], " outside [1, ", width * bs, "]");
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < shape.blocks,
-                  "decode_attention: block ", tables[b * width + i], " outside the cache");
-  }
+  const CacheShape shape = check_decode_attention(q, kv_cache, block_tables, context_lens);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor cache = kv_cache;  // read only
   CONVEYOR_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    if (int8) decode_attention_int8_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens,
-                                                   scale, bs);
-    else decode_attention_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens, scale);
+    if (cache.scalar_type() == at::kChar)
+      decode_attention_int8_impl<scalar_t>(out, q, cache, block_tables, context_lens, scale,
+                                           shape.bs);
+    else decode_attention_impl<scalar_t>(out, q, cache, block_tables, context_lens, scale);
+  });
+  return out;
+}
+
+// A decode-only batch: write_kv_(k, v, kv_cache, slot_mapping), then decode_attention. With
+// an int8 cache each attention task writes its own new row first (one pass over the blocks).
+at::Tensor write_decode_attention_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& q,
+                                   const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens, double scale) {
+  if (kv_cache.scalar_type() != at::kChar) {
+    write_kv_(k, v, kv_cache, slot_mapping);
+    return decode_attention(q, kv_cache, block_tables, context_lens, scale);
+  }
+  check_write_kv(k, v, kv_cache, slot_mapping);
+  const CacheShape shape = check_decode_attention(q, kv_cache, block_tables, context_lens);
+  TORCH_CHECK(k.size(0) == q.size(0) && k.scalar_type() == q.scalar_type(),
+              "write_decode_attention_: one new K/V row per query, in its dtype");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  CONVEYOR_DISPATCH(q.scalar_type(), "write_decode_attention_", [&] {
+    decode_attention_int8_impl<scalar_t>(out, q, kv_cache, block_tables, context_lens, scale,
+                                         shape.bs, &k, &v, &slot_mapping);
   });
   return out;
 }
@@ -1098,12 +1160,12 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
     if (l > 0) add_rms_norm_(h, residual, input_norms[l], eps);
     at::Tensor qkv = packed_linear(h, qkv_w[l], qkv_b.get(l));
     rotary_(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim);
-    at::Tensor kv_cache = kv_caches.select(0, l);
-    write_kv_(qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
-              qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim}),
-              kv_cache, slot_mapping);
-    at::Tensor attn = decode_attention(qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}),
-                                       kv_cache, block_tables, context_lens, scale);
+    at::Tensor attn = write_decode_attention_(
+        qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
+        qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim}),
+        kv_caches.select(0, l), slot_mapping,
+        qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}), block_tables, context_lens,
+        scale);
     h = packed_linear(attn.view({t, q_size}), o_w[l], std::nullopt);
     add_rms_norm_(h, residual, post_norms[l], eps);
     h = packed_linear(silu_mul(packed_linear(h, gate_up_w[l], std::nullopt)), down_w[l],
@@ -1124,6 +1186,8 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("read_kv_(Tensor(a!) k, Tensor(b!) v, Tensor kv_cache, Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("write_decode_attention_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor q, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
   // For every backend: its weights are oneDNN-packed (MkldnnCPU) tensors, its ops are checked.
   m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
@@ -1142,5 +1206,6 @@ TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("write_kv_", &write_kv_);
   m.impl("read_kv_", &read_kv_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("write_decode_attention_", &write_decode_attention_);
   m.impl("argmax", &argmax);
 }
