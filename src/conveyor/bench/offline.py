@@ -146,9 +146,9 @@ WARMUP_SEED_OFFSET = 1000
 
 def warm_up_on(llm: LLM, workload: Workload) -> None:
     """The workload once with another seed, untimed. The first run in a process pays one-time
-    costs (oneDNN creates a kernel for each new batch size, the allocator grows): measured,
-    it ran 4-10 % slower than the same run right after, and a second engine in the same
-    process would inherit the first one's warm state."""
+    costs (among them oneDNN building a kernel for each new batch size): measured, it ran
+    4-10 % slower than the same run right after, and a second engine in the same process
+    would inherit the first one's warm state."""
     warm_up(llm)
     run_workload(llm, replace(workload, seed=workload.seed + WARMUP_SEED_OFFSET))
     llm.engine.check_integrity()
