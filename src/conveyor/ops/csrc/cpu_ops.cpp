@@ -567,6 +567,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 // conveyor/ops/reference.py writes and reads the same layout.
 constexpr int64_t kScaleBytes = 4;
 
+inline int64_t head_block_bytes(int64_t bs, int64_t d) { return bs * (d + kScaleBytes); }
+// The head-block of KV head h in block blk of a plane (K or V).
+template <typename P>
+inline P* head_block(P* plane, int64_t blk, int64_t h, int64_t kvh, int64_t bs, int64_t d) {
+  return plane + (blk * kvh + h) * head_block_bytes(bs, d);
+}
+// Where dim i of position t lies in a K head-block, and in a V head-block.
+inline int64_t k_offset(int64_t bs, int64_t t, int64_t i) { return ((i / 4) * bs + t) * 4 + i % 4; }
+inline int64_t v_offset(int64_t d, int64_t t, int64_t i) { return ((t / 4) * d + i) * 4 + t % 4; }
+
 // Quantizes a row of d values into dst[0..d) and returns its scale.
 template <typename T>
 inline float quantize_row(int8_t* dst, const T* x, int64_t d) {
@@ -598,14 +608,13 @@ template <typename T>
 inline void write_int8_rows(int8_t* kc, int8_t* vc, int64_t blk, int64_t t, int64_t h,
                             int64_t kvh, int64_t bs, int64_t d, const T* k, const T* v,
                             int8_t* q) {
-  const int64_t head_bytes = bs * (d + kScaleBytes);
-  int8_t* kb = kc + (blk * kvh + h) * head_bytes;
+  int8_t* kb = head_block(kc, blk, h, kvh, bs, d);
   float scale = quantize_row(q, k, d);
-  for (int64_t d4 = 0; d4 < d / 4; ++d4) std::memcpy(kb + (d4 * bs + t) * 4, q + 4 * d4, 4);
+  for (int64_t i = 0; i < d; i += 4) std::memcpy(kb + k_offset(bs, t, i), q + i, 4);
   std::memcpy(kb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
-  int8_t* vb = vc + (blk * kvh + h) * head_bytes;
+  int8_t* vb = head_block(vc, blk, h, kvh, bs, d);
   scale = quantize_row(q, v, d);
-  for (int64_t i = 0; i < d; ++i) vb[((t / 4) * d + i) * 4 + t % 4] = q[i];
+  for (int64_t i = 0; i < d; ++i) vb[v_offset(d, t, i)] = q[i];
   std::memcpy(vb + bs * d + t * kScaleBytes, &scale, kScaleBytes);
 }
 
@@ -642,7 +651,6 @@ template <typename T>
 void read_kv_int8_impl(at::Tensor& k, at::Tensor& v, const at::Tensor& kv_cache,
                        const at::Tensor& slot_mapping, int64_t bs) {
   const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
-  const int64_t head_bytes = bs * (d + kScaleBytes);
   const int8_t* kc = kv_cache.data_ptr<int8_t>();
   const int8_t* vc = kc + kv_cache[0].numel();
   T* kp = k.data_ptr<T>();
@@ -653,14 +661,14 @@ void read_kv_int8_impl(at::Tensor& k, at::Tensor& v, const at::Tensor& kv_cache,
     for (int64_t r = b; r < e; ++r) {
       const int64_t blk = slots[r] / bs, t = slots[r] % bs;
       for (int64_t h = 0; h < kvh; ++h) {
-        const int8_t* kb = kc + (blk * kvh + h) * head_bytes;
-        const int8_t* vb = vc + (blk * kvh + h) * head_bytes;
+        const int8_t* kb = head_block(kc, blk, h, kvh, bs, d);
+        const int8_t* vb = head_block(vc, blk, h, kvh, bs, d);
         const float ksc = head_block_scale(kb, bs, d, t), vsc = head_block_scale(vb, bs, d, t);
         T* kr = kp + r * ks + h * d;
         T* vr = vp + r * vs + h * d;
         for (int64_t i = 0; i < d; ++i) {
-          kr[i] = static_cast<T>(static_cast<float>(kb[((i / 4) * bs + t) * 4 + i % 4]) * ksc);
-          vr[i] = static_cast<T>(static_cast<float>(vb[((t / 4) * d + i) * 4 + t % 4]) * vsc);
+          kr[i] = static_cast<T>(static_cast<float>(kb[k_offset(bs, t, i)]) * ksc);
+          vr[i] = static_cast<T>(static_cast<float>(vb[v_offset(d, t, i)]) * vsc);
         }
       }
     }
@@ -687,7 +695,7 @@ void attend_int8_vec(T* out, int64_t out_stride, const float* qf, const int8_t* 
                      const int8_t* vc, const int64_t* table, int64_t len, int64_t bs,
                      int64_t kvh, int64_t kh, float* scores) {
   constexpr int64_t d = NC * 16;
-  const int64_t head_bytes = bs * (d + kScaleBytes);
+  const int64_t head_bytes = head_block_bytes(bs, d);
   alignas(64) int8_t qhi[G][d], qlo[G][d];
   float qscale[G];
   int32_t off_hi[G], off_lo[G];
@@ -717,16 +725,16 @@ void attend_int8_vec(T* out, int64_t out_stride, const float* qf, const int8_t* 
   }
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t nblocks = (len + bs - 1) / bs;
-  auto head_block = [&](const int8_t* plane, int64_t blk) {
-    return plane + (table[blk] * kvh + kh) * head_bytes;
+  auto request_block = [&](const int8_t* plane, int64_t blk) {
+    return head_block(plane, table[blk], kh, kvh, bs, d);
   };
   for (int64_t blk = 0; blk < std::min(kInt8PrefetchBlocks, nblocks); ++blk)
-    prefetch_bytes<_MM_HINT_T0>(head_block(kc, blk), head_bytes);
+    prefetch_bytes<_MM_HINT_T0>(request_block(kc, blk), head_bytes);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int8_t* kb = head_block(kc, blk);
+    const int8_t* kb = request_block(kc, blk);
     if (blk + kInt8PrefetchBlocks < nblocks)
-      prefetch_bytes<_MM_HINT_T0>(head_block(kc, blk + kInt8PrefetchBlocks), head_bytes);
-    prefetch_bytes<_MM_HINT_T1>(head_block(vc, blk), head_bytes);  // for the values' pass
+      prefetch_bytes<_MM_HINT_T0>(request_block(kc, blk + kInt8PrefetchBlocks), head_bytes);
+    prefetch_bytes<_MM_HINT_T1>(request_block(vc, blk), head_bytes);  // for the values' pass
     const int64_t start = blk * bs, n = std::min(bs, len - start);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
       __m512i hi[G], lo[G];
@@ -763,9 +771,9 @@ void attend_int8_vec(T* out, int64_t out_stride, const float* qf, const int8_t* 
   alignas(64) uint8_t wq[G][16];
   float wscale[G];
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int8_t* vb = head_block(vc, blk);
+    const int8_t* vb = request_block(vc, blk);
     if (blk + kInt8PrefetchBlocks < nblocks)
-      prefetch_bytes<_MM_HINT_T0>(head_block(vc, blk + kInt8PrefetchBlocks), head_bytes);
+      prefetch_bytes<_MM_HINT_T0>(request_block(vc, blk + kInt8PrefetchBlocks), head_bytes);
     const int64_t start = blk * bs, n = std::min(bs, len - start);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
       const int64_t m_n = std::min<int64_t>(16, n - t0);
@@ -814,14 +822,13 @@ template <typename T>
 void attend_int8(T* out, int64_t out_stride, const float* qf, const int8_t* kc, const int8_t* vc,
                  const int64_t* table, int64_t len, int64_t bs, int64_t kvh, int64_t kh,
                  float* scores, int64_t group, int64_t d, float* acc) {
-  const int64_t head_bytes = bs * (d + kScaleBytes);
   for (int64_t t = 0; t < len; ++t) {
-    const int8_t* kb = kc + (table[t / bs] * kvh + kh) * head_bytes;
+    const int8_t* kb = head_block(kc, table[t / bs], kh, kvh, bs, d);
     const int64_t o = t % bs;
     const float ks = head_block_scale(kb, bs, d, o);
     for (int64_t g = 0; g < group; ++g) {
       float sum = 0.f;
-      for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * kb[((i / 4) * bs + o) * 4 + i % 4];
+      for (int64_t i = 0; i < d; ++i) sum += qf[g * d + i] * kb[k_offset(bs, o, i)];
       scores[g * len + t] = sum * ks;
     }
   }
@@ -830,10 +837,10 @@ void attend_int8(T* out, int64_t out_stride, const float* qf, const int8_t* kc, 
     const float inv = softmax_(scores + g * len, len);
     std::fill(acc, acc + d, 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      const int8_t* vb = vc + (table[t / bs] * kvh + kh) * head_bytes;
-      const float pv = p[t] * head_block_scale(vb, bs, d, t % bs);
+      const int8_t* vb = head_block(vc, table[t / bs], kh, kvh, bs, d);
       const int64_t o = t % bs;
-      for (int64_t i = 0; i < d; ++i) acc[i] += pv * vb[((o / 4) * d + i) * 4 + o % 4];
+      const float pv = p[t] * head_block_scale(vb, bs, d, o);
+      for (int64_t i = 0; i < d; ++i) acc[i] += pv * vb[v_offset(d, o, i)];
     }
     for (int64_t i = 0; i < d; ++i) out[g * out_stride + i] = static_cast<T>(acc[i] * inv);
   }
@@ -999,22 +1006,22 @@ CacheShape cache_shape(const at::Tensor& kv_cache, int64_t d, const char* op) {
 
 // Checks k, v [T, KVH, D] and their slots against the cache; returns its geometry.
 CacheShape check_write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
-                          const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3, "write_kv_: k must be [T, KVH, D]");
-  const CacheShape shape = cache_shape(kv_cache, k.size(2), "write_kv_");
+                          const at::Tensor& slot_mapping, const char* op = "write_kv_") {
+  TORCH_CHECK(k.dim() == 3, op, ": k must be [T, KVH, D]");
+  const CacheShape shape = cache_shape(kv_cache, k.size(2), op);
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == shape.kvh && k.stride(2) == 1 &&
               v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
               (int8 || k.scalar_type() == kv_cache.scalar_type()) &&
               v.scalar_type() == k.scalar_type() &&
               (!int8 || (k.size(2) % 4 == 0 && k.size(2) <= 1024)),
-              "write_kv_: bad shapes or dtypes");
+              op, ": bad shapes or dtypes");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == k.size(0), "write_kv_: bad slot_mapping");
+              slot_mapping.numel() == k.size(0), op, ": bad slot_mapping");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = shape.blocks * shape.bs;
   for (int64_t i = 0; i < slot_mapping.numel(); ++i)
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_: slot ", slots[i],
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, op, ": slot ", slots[i],
                 " outside the cache's ", num_slots, " slots");
   return shape;
 }
@@ -1057,18 +1064,8 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
 
 void read_kv_(at::Tensor k, at::Tensor v, const at::Tensor& kv_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3, "read_kv_: k must be [T, KVH, D]");
   TORCH_CHECK(kv_cache.scalar_type() == at::kChar, "read_kv_: for an int8 kv_cache");
-  const CacheShape shape = cache_shape(kv_cache, k.size(2), "read_kv_");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == shape.kvh && k.stride(2) == 1 &&
-              v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
-              v.scalar_type() == k.scalar_type(), "read_kv_: bad shapes or dtypes");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == k.size(0), "read_kv_: bad slot_mapping");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slot_mapping.numel(); ++i)
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < shape.blocks * shape.bs, "read_kv_: slot ",
-                slots[i], " outside the cache");
+  const CacheShape shape = check_write_kv(k, v, kv_cache, slot_mapping, "read_kv_");
   CONVEYOR_DISPATCH(k.scalar_type(), "read_kv_",
                     [&] { read_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs); });
 }
