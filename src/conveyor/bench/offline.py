@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from conveyor.bench.workloads import warm_up
 from conveyor.engine.llm import LLM
 from conveyor.ops import reference as ops_reference
 from conveyor.sampling_params import SamplingParams
@@ -149,7 +148,6 @@ def warm_up_on(llm: LLM, workload: Workload) -> None:
     costs (among them oneDNN building a kernel for each new batch size): measured, it ran
     4-10 % slower than the same run right after, and a second engine in the same process
     would inherit the first one's warm state."""
-    warm_up(llm)
     run_workload(llm, replace(workload, seed=workload.seed + WARMUP_SEED_OFFSET))
     llm.engine.check_integrity()
 
