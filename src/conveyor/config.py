@@ -200,6 +200,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | float | str = "1GiB"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (half the bytes)
+    # decode matmuls read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place (same results, fewer bytes)
+    quantized_matmuls: bool = True
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     device: str = "auto"  # "auto" | "cpu" | "cuda"

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from conveyor.bench.offline import Workload, bare_matmul_time, decode_step_time
 from conveyor.bench.workloads import build_llm, run_requests, warm_up
 from conveyor.config import EngineArgs
@@ -70,7 +68,7 @@ def roofline(llm: LLM, batches: Sequence[int], context_len: int) -> dict[str, An
     bandwidth = memory_bandwidth_bytes_per_s(PROBE_BUDGET_S, str(device))
     flops = matmul_flops_per_s(PROBE_BUDGET_S, str(device), str(dtype).removeprefix("torch."))
     params = engine.model_config.num_parameters()
-    weight_bytes = params * torch.finfo(dtype).bits // 8
+    weight_bytes = engine.runner.model.decode_weight_bytes()  # GGUF blocks where read
     kv_per_token = engine.kv_layout.bytes_per_token
     rows = []
     for batch in batches:

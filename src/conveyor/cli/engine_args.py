@@ -25,6 +25,8 @@ _HELP = {
     "kv_cache_memory": "KV cache budget: bytes, or a size like 2GiB / 512MiB",
     "kv_cache_dtype": "auto (the model's dtype) or int8 (each token's K and V per head "
                       "quantized with its own scale: about half the bytes of bf16)",
+    "quantized_matmuls": "decode steps read a GGUF's Q4_0/Q4_1/Q8_0 weight blocks in place "
+                         "(same results as the bf16 weights, fewer bytes; CPUs with AMX)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps",
     "device": "auto, cpu or cuda",

@@ -49,7 +49,9 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         weights = None if args.load_format == "dummy" else checkpoint.tensors()
-        model = build_model(self.model_config, self.dtype, self.device, weights, args.seed)
+        blocks = checkpoint.block_weights if args.quantized_matmuls and weights else None
+        model = build_model(self.model_config, self.dtype, self.device, weights, args.seed,
+                            blocks)
         self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
         cache_config = args.cache_config()
         sched = self.scheduler_config

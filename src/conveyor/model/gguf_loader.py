@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): the config from metadata, and dequantized tensors under HF names."""
+"""GGUF files (llama.cpp): the config from metadata, dequantized tensors under HF names, and
+the quantized blocks the decode matmuls read in place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from conveyor.config import ModelConfig
@@ -144,9 +145,20 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
+def _permuted_rows(config: ModelConfig, name: str) -> int | None:
+    """The head count whose rotary permutation the converter applied to this tensor's rows
+    (llama q/k projections), else None."""
+    if config.architecture not in ("llama", "mistral"):
+        return None
+    if ".self_attn.q_proj." in name:
+        return config.num_attention_heads
+    if ".self_attn.k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
 def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor in HF [out, in] layout), one tensor at a time."""
-    permuted = config.architecture in ("llama", "mistral")
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
@@ -157,8 +169,28 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple
         if values.dtype != np.float32 or not values.flags.writeable:  # F32/F16: a memmap view
             values = values.astype(np.float32)
         weight = torch.from_numpy(values.reshape(shape))
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rotary(weight, config.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rotary(weight, config.num_key_value_heads)
-        yield name, weight
+        heads = _permuted_rows(config, name)
+        yield name, weight if heads is None else unpermute_rotary(weight, heads)
+
+
+# Block formats the quantized decode matmuls read in place: GGML type -> bytes per 32 weights.
+BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
+               GGMLQuantizationType.Q8_0: 34}
+
+
+def gguf_block_weights(reader: GGUFReader, config: ModelConfig
+                       ) -> dict[str, tuple[int, torch.Tensor]]:
+    """The matrices stored as Q4_0, Q4_1 or Q8_0 blocks, undecoded: HF name -> (GGML type,
+    uint8 [out, in / 32, bytes per block]), rows in HF order (rotary permutation undone)."""
+    blocks: dict[str, tuple[int, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        block_bytes = BLOCK_BYTES.get(tensor.tensor_type)
+        if name is None or block_bytes is None or len(tensor.shape) != 2:
+            continue
+        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+        raw = torch.from_numpy(np.array(tensor.data).reshape(rows, cols // 32, block_bytes))
+        heads = _permuted_rows(config, name)
+        blocks[name] = (int(tensor.tensor_type),
+                        raw if heads is None else unpermute_rotary(raw, heads))
+    return blocks

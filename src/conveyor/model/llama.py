@@ -6,6 +6,7 @@ Q/K/V and gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
 from conveyor.ops import for_device, reference
+
+logger = logging.getLogger(__name__)
 
 # Std of dummy weights: small enough that activations stay finite through deep stacks.
 DUMMY_INIT_STD = 0.02
@@ -141,8 +144,10 @@ class CausalLM(nn.Module):
         if not hasattr(self.ops, "decode_layers") or self.config.qk_norm:
             return None
         # In the order of decode_layers' arguments.
-        packed: dict[str, list[Any]] = {"input_norm": [], "post_norm": [], "qkv": [],
-                                        "qkv_bias": [], "o": [], "gate_up": [], "down": []}
+        packed: dict[str, list[Any]] = {
+            "input_norm": [], "post_norm": [], "qkv": [], "qkv_bias": [], "o": [],
+            "gate_up": [], "down": [], "qkv_blocks": [], "o_blocks": [], "gate_up_blocks": [],
+            "down_blocks": []}
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
@@ -154,6 +159,7 @@ class CausalLM(nn.Module):
                 return None
             for name, m in linears.items():
                 packed[name].append(m.packed)
+                packed[f"{name}_blocks"].append(m.blocks)
             packed["qkv_bias"].append(attn.qkv_proj.bias)
         return (*packed.values(), self.norm.weight)
 
@@ -183,17 +189,33 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def matmul_layers(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-        """Every matmul a decode step runs (projections, MLP, LM head), as (function,
-        input features), with the kernels the forward pass uses."""
-        layers: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
+    def _layer_linears(self) -> list[nn.Linear | PackedLinear]:
+        linears: list[nn.Linear | PackedLinear] = []
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            layers += [(m, m.in_features) for m in (attn.qkv_proj, attn.o_proj,
-                                                    mlp.gate_up_proj, mlp.down_proj)]
-        layers.append((self.compute_logits, self.config.hidden_size))
+            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        return linears
+
+    def matmul_layers(self, dense: bool = False
+                      ) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+        """Every matmul a decode step runs (projections, MLP, LM head), as (function,
+        input features), with the kernels the forward pass uses; ``dense``: on the bf16 (or
+        float) weights even where the forward pass reads GGUF blocks."""
+        layers: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
+            (m.dense if dense and isinstance(m, PackedLinear) else m, m.in_features)
+            for m in self._layer_linears()]
+        head = self.lm_head
+        layers.append((head.dense if dense and isinstance(head, PackedLinear)
+                       else self.compute_logits, self.config.hidden_size))
         return layers
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a decode step's matmuls read (GGUF blocks where they are used)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return sum(m.decode_weight_bytes() if isinstance(m, PackedLinear)
+                   else m.weight.numel() * m.weight.element_size()
+                   for m in [*self._layer_linears(), head])
 
     def pack_linears(self) -> None:
         """Replace every matmul weight (the LM head included, tied or not) by a oneDNN
@@ -209,6 +231,39 @@ class CausalLM(nn.Module):
         assert not isinstance(head, PackedLinear), "already packed"
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,
                                     None)
+
+    def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
+        """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
+        which small batches then read in place (``PackedLinear.use_blocks``). Needs bf16
+        weights, the C++ kernels and AMX; a matmul whose parts are not all blocks of one
+        supported type keeps its bf16 weight. Returns how many matmuls took their blocks."""
+        ops: Any = torch.ops.conveyor
+        if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
+                or not ops.quantized_linear_available()):
+            return 0
+        groups = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                  ("self_attn", "o_proj", ("o_proj",)),
+                  ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+                  ("mlp", "down_proj", ("down_proj",)))
+        parts: list[tuple[Any, list[str]]] = [
+            (getattr(getattr(layer, owner), ours),
+             [f"model.layers.{i}.{owner}.{name}.weight" for name in theirs])
+            for i, layer in enumerate(self.layers) for owner, ours, theirs in groups]
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        parts.append((self.lm_head, [head]))
+        used = 0
+        for linear, names in parts:
+            found = [blocks.get(name) for name in names]
+            types = {f[0] for f in found if f is not None}
+            if not isinstance(linear, PackedLinear) or None in found or len(types) != 1:
+                continue
+            raw = torch.cat([f[1] for f in found if f is not None])
+            if (raw.shape[0] != linear.out_features or raw.shape[1] * 32 != linear.in_features
+                    or raw.shape[0] % 16):
+                continue
+            used += linear.use_blocks(ops.pack_block_weights(raw, types.pop()))
+        self._refs = self._decode_weights = None  # rebuilt with the blocks
+        return used
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -268,8 +323,14 @@ def _expected_keys(cfg: ModelConfig, params: dict[str, nn.Parameter]) -> set[str
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0) -> CausalLM:
-    """The model with loaded weights, or random ones (``weights=None``: dummy load format)."""
+                weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
+                block_weights: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = None
+                ) -> CausalLM:
+    """The model with loaded weights, or random ones (``weights=None``: dummy load format).
+
+    block_weights: the checkpoint's GGUF blocks (``Checkpoint.block_weights``), for decode
+    matmuls that read them in place where this machine can (``CausalLM.use_block_weights``).
+    """
     with torch.device("meta"):
         model = CausalLM(cfg).to(dtype)
     model = model.to_empty(device=device)
@@ -284,6 +345,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     model.use_ops(for_device(device))
     if can_pack_linears(device):
         model.pack_linears()
+        if block_weights is not None:
+            used = model.use_block_weights(block_weights())
+            if used:
+                logger.info("%d of %d matmuls read their GGUF blocks in decode steps", used,
+                            len(model.matmul_layers()))
     return model
 
 

@@ -1,6 +1,7 @@
 """Find a checkpoint, read its config and tokenizer, and stream its weights under HF names.
 
-Two formats: a GGUF file (llama.cpp; quantized weights are dequantized to float32) and a
+Two formats: a GGUF file (llama.cpp; quantized weights are dequantized to float32, and their
+Q4_0/Q4_1/Q8_0 blocks are also handed over as they are, for the decode matmuls) and a
 Hugging Face folder (config.json + *.safetensors + tokenizer.json). "dummy" reads only the
 config (and tokenizer): the caller makes random weights.
 """
@@ -15,7 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.config import ModelConfig
-from conveyor.model.gguf_loader import gguf_model_config, iter_gguf_tensors, open_gguf
+from conveyor.model.gguf_loader import (
+    gguf_block_weights,
+    gguf_model_config,
+    iter_gguf_tensors,
+    open_gguf,
+)
 from conveyor.model.hf_loader import (
     hf_model_config,
     iter_safetensors,
@@ -68,6 +74,8 @@ class Checkpoint:
     tokenizer: Tokenizer | None  # None only when no tokenizer was found
     _tensor_source: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(
         default=None, repr=False)
+    _block_source: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = field(
+        default=None, repr=False)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) one at a time, HF layout [out, in].
@@ -79,6 +87,12 @@ class Checkpoint:
             raise RuntimeError(f"checkpoint {self.path} was loaded with load_format='dummy' "
                                "and has no weights")
         return self._tensor_source()
+
+    def block_weights(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """The matrices a GGUF file stores as Q4_0, Q4_1 or Q8_0 blocks, undecoded (for the
+        quantized decode matmuls): HF name -> (GGML type, uint8 [out, in / 32, block bytes]).
+        Empty for other formats."""
+        return {} if self._block_source is None else self._block_source()
 
 
 def _detect_format(path: str) -> str:
@@ -113,8 +127,10 @@ def _load_gguf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoin
     config = gguf_model_config(reader)
     if tokenizer is None and "tokenizer.ggml.tokens" in reader.fields:
         tokenizer = Tokenizer.from_gguf(reader)
-    source = None if dummy else (lambda: iter_gguf_tensors(reader, config))
-    return Checkpoint(path, "dummy" if dummy else "gguf", config, tokenizer, source)
+    if dummy:
+        return Checkpoint(path, "dummy", config, tokenizer)
+    return Checkpoint(path, "gguf", config, tokenizer, lambda: iter_gguf_tensors(reader, config),
+                      lambda: gguf_block_weights(reader, config))
 
 
 def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:

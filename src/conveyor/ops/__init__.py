@@ -7,7 +7,9 @@
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``). Each kernel replaces several
 torch ops (norm: 8, RoPE: 6, attention: 2 gathers + mask + SDPA) with one call that does no
 extra copies; the C++ namespace also has ``decode_layers``, every decoder layer of a
-decode-only step in one call (``CausalLM.forward`` uses it when present). If the build fails
+decode-only step in one call (``CausalLM.forward`` uses it when present), and, from
+``csrc/quant_linear.cpp``, ``quantized_linear``: decode matmuls that read a GGUF's Q4_0/Q4_1/
+Q8_0 blocks in place with AMX tiles, bit-identical to oneDNN on the bf16 weights. If the build fails
 (no C++ compiler) the engine logs why and runs the reference. ``CONVEYOR_KERNELS=0`` selects
 the reference on CPU too.
 """
@@ -28,7 +30,7 @@ from conveyor.ops import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen headers and runs serially without it.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -52,7 +54,7 @@ def load_cpu_kernels() -> bool:
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(name=f"conveyor_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)],
+        cpp_extension.load(name=f"conveyor_cpu_ops_{_cpu_tag()}", sources=[str(p) for p in _SOURCES],
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: run the reference

@@ -12,6 +12,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "quant_linear.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1127,6 +1129,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
 
+// The same matmul, from the weight's GGUF blocks when it has them and the batch is small
+// (quant_linear.cpp: bit-identical, fewer bytes read); larger batches are compute-bound and
+// run oneDNN on the bf16 weights.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
+                  const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& b) {
+  if (blocks.has_value() && x.size(0) <= conveyor::kQuantizedMaxRows)
+    return conveyor::quantized_linear(x, *blocks, b);
+  return packed_linear(x, packed, b);
+}
+
+using Blocks = c10::List<std::optional<at::Tensor>>;  // per layer: GGUF blocks or None
+
 // Every decoder layer of a Llama-family model (no q/k norm) for a batch of decodes only: the
 // same ops in the same order as CausalLM.forward in Python, without returning to Python
 // between them (in a decode step, the interpreter's own work between ~300 small ops costs
@@ -1138,7 +1152,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
                          at::TensorList input_norms, at::TensorList post_norms,
                          at::TensorList qkv_w, const c10::List<std::optional<at::Tensor>>& qkv_b,
                          at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
-                         const at::Tensor& final_norm, double eps, int64_t num_heads,
+                         const Blocks& qkv_q, const Blocks& o_q, const Blocks& gate_up_q,
+                         const Blocks& down_q, const at::Tensor& final_norm, double eps, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim) {
   const int64_t layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(layers >= 1 && kv_caches.size(0) == layers &&
@@ -1147,7 +1162,11 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
               static_cast<int64_t>(qkv_b.size()) == layers &&
               static_cast<int64_t>(o_w.size()) == layers &&
               static_cast<int64_t>(gate_up_w.size()) == layers &&
-              static_cast<int64_t>(down_w.size()) == layers,
+              static_cast<int64_t>(down_w.size()) == layers &&
+              static_cast<int64_t>(qkv_q.size()) == layers &&
+              static_cast<int64_t>(o_q.size()) == layers &&
+              static_cast<int64_t>(gate_up_q.size()) == layers &&
+              static_cast<int64_t>(down_q.size()) == layers,
               "decode_layers: one weight of each kind per layer");
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -1155,7 +1174,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
   at::Tensor h = rms_norm(x, input_norms[0], eps);
   for (int64_t l = 0; l < layers; ++l) {
     if (l > 0) add_rms_norm_(h, residual, input_norms[l], eps);
-    at::Tensor qkv = packed_linear(h, qkv_w[l], qkv_b.get(l));
+    at::Tensor qkv = linear(h, qkv_w[l], qkv_q.get(l), qkv_b.get(l));
     rotary_(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim);
     at::Tensor attn = write_decode_attention_(
         qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
@@ -1163,10 +1182,10 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
         kv_caches.select(0, l), slot_mapping,
         qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}), block_tables, context_lens,
         scale);
-    h = packed_linear(attn.view({t, q_size}), o_w[l], std::nullopt);
+    h = linear(attn.view({t, q_size}), o_w[l], o_q.get(l), std::nullopt);
     add_rms_norm_(h, residual, post_norms[l], eps);
-    h = packed_linear(silu_mul(packed_linear(h, gate_up_w[l], std::nullopt)), down_w[l],
-                      std::nullopt);
+    h = linear(silu_mul(linear(h, gate_up_w[l], gate_up_q.get(l), std::nullopt)), down_w[l],
+               down_q.get(l), std::nullopt);
   }
   add_rms_norm_(h, residual, final_norm, eps);
   return h;
@@ -1186,11 +1205,13 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("write_decode_attention_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor q, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? blocks, Tensor? bias) -> Tensor", &linear);
   // For every backend: its weights are oneDNN-packed (MkldnnCPU) tensors, its ops are checked.
   m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor[] input_norms, "
         "Tensor[] post_norms, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, Tensor[] gate_up_w, "
-        "Tensor[] down_w, Tensor final_norm, float eps, int num_heads, int num_kv_heads, "
+        "Tensor[] down_w, Tensor?[] qkv_q, Tensor?[] o_q, Tensor?[] gate_up_q, Tensor?[] down_q, "
+        "Tensor final_norm, float eps, int num_heads, int num_kv_heads, "
         "int head_dim) -> Tensor",
         &decode_layers);
 }

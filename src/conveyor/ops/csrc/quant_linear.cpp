@@ -1,0 +1,335 @@
+// Matmuls that read GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) in place, for decode steps.
+//
+// A decode step is bound by reading the weights: bf16 copies cost 2 bytes per weight, the
+// GGUF blocks 0.56-1.06. The loader still dequantizes every weight to the engine's dtype (the
+// model is defined by those values, and prefill chunks run oneDNN on them); these kernels
+// rebuild exactly the same bf16 values from the blocks, 16 output rows x 32 inputs at a time,
+// in registers, and multiply them with AMX tiles in the same order oneDNN's AMX kernel does,
+// so the results are bit-identical to it (checked at load on every weight, and in the tests).
+//
+// Dequantization reproduces gguf-py's numpy (float32, no fused multiply-add): Q4_0 d*(q-8),
+// Q4_1 d*q+m, Q8_0 d*q, then float32 -> bf16 rounded to nearest even as torch's copy does.
+// For the 4-bit types each row's 16 possible values are computed once per block and its 32
+// weights looked up with one vpermw: ~6 instructions per row and block.
+//
+// Layout (pack_block_weights): for each 16 output rows and each 32-input block, one record:
+//   Q4_0: q[8 row pairs][32 bytes] (nibbles of two rows), d[16] fp16      = 288 bytes
+//   Q4_1: q[8][32], d[16] fp16, m[16] fp16                                = 320 bytes
+//   Q8_0: q[16 rows][32] int8, d[16] fp16                                 = 544 bytes
+// records ordered by row tile, then block: a task streams one contiguous run.
+//
+// The product is computed transposed, C^T = W x^T: the weight tile is AMX's first operand
+// (16 rows x 32 inputs, as dequantized), x^T its second (pairs of inputs x 16 tokens, packed
+// once per call), and up to 4 accumulator tiles hold 64 tokens.
+
+#include "quant_linear.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define CONVEYOR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace conveyor {
+namespace {
+
+// GGML type ids of the formats we read.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+struct BlockFormat {
+  int64_t block_bytes;   // one GGUF block of 32 weights
+  int64_t record_bytes;  // 16 rows x one block, packed
+};
+
+BlockFormat block_format(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {18, 288};
+    case kQ4_1: return {20, 320};
+    case kQ8_0: return {34, 544};
+    default: TORCH_CHECK(false, "pack_block_weights: GGML type ", type,
+                         " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
+  }
+}
+
+int64_t type_of_record(int64_t record_bytes) {
+  for (int64_t type : {kQ4_0, kQ4_1, kQ8_0})
+    if (block_format(type).record_bytes == record_bytes) return type;
+  TORCH_CHECK(false, "quantized_linear: w is not from pack_block_weights (", record_bytes,
+              "-byte records)");
+}
+
+// raw: uint8 [N, K/32, block bytes], GGUF blocks in row order -> uint8 [N/16, K/32, record].
+at::Tensor pack_block_weights(const at::Tensor& raw, int64_t type) {
+  const BlockFormat f = block_format(type);
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
+              "pack_block_weights: expected uint8 [rows, blocks, ", f.block_bytes, "], got ",
+              raw.sizes(), " ", raw.scalar_type());
+  const int64_t n = raw.size(0), kb = raw.size(1);
+  TORCH_CHECK(n % 16 == 0, "pack_block_weights: rows must be a multiple of 16, got ", n);
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::empty({n / 16, kb, f.record_bytes}, raw.options());
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t q_bytes = type == kQ8_0 ? 32 : 16;  // per row and block
+  const int64_t q_offset = type == kQ4_1 ? 4 : 2;   // after d (and m) in a GGUF block
+  at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < kb; ++b) {
+        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
+        uint8_t* scales = rec + 16 * q_bytes;
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint8_t* blk = r + ((t * 16 + i) * kb + b) * f.block_bytes;
+          std::memcpy(scales + i * 2, blk, 2);                               // d
+          if (type == kQ4_1) std::memcpy(scales + 32 + i * 2, blk + 2, 2);  // m
+          if (type == kQ8_0) {
+            std::memcpy(rec + i * 32, blk + 2, 32);
+            continue;
+          }
+          // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
+          // Here: weight j of rows 2p and 2p + 1 in the low and high nibble of byte j.
+          const uint8_t* qs = blk + q_offset;
+          uint8_t* pair = rec + (i / 2) * 32;
+          for (int64_t j = 0; j < 32; ++j) {
+            const uint8_t q = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
+            pair[j] = static_cast<uint8_t>(i % 2 == 0 ? q : pair[j] | (q << 4));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+#ifdef CONVEYOR_AMX
+
+bool request_tile_registers() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
+// tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      rows[t] = 16;
+      colsb[t] = 64;
+    }
+  }
+};
+
+// A float32 product as numpy computes it, kept apart from a following sum: the empty asm
+// hides that the value is a product, so the compiler cannot fuse the two into one rounding.
+inline __m512 unfused(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+inline void store_bf16x32(uint16_t* dst, __m512 lo, __m512 hi) {
+  _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// One record -> the weight tile: 16 rows of 32 bf16 values.
+template <int64_t Type>
+inline void dequantize_record(const uint8_t* rec, uint16_t* tile) {
+  alignas(64) float d[16], m[16];
+  if constexpr (Type == kQ8_0) {
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512))));
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t* q = rec + i * 32;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+      store_bf16x32(tile + i * 32, _mm512_mul_ps(lo, _mm512_set1_ps(d[i])),
+                    _mm512_mul_ps(hi, _mm512_set1_ps(d[i])));
+    }
+  } else {
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256))));
+    if constexpr (Type == kQ4_1)
+      _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 288))));
+    // The 16 values a nibble can stand for, as floats: q - 8 (Q4_0) or q (Q4_1).
+    const __m512 levels = Type == kQ4_0
+        ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < 16; i += 2) {
+      // Rows i and i + 1 share 32 bytes: weight j of row i in byte j's low nibble, of row
+      // i + 1 in its high nibble (pack_block_weights). As 16-bit words, a row's indices are
+      // the words or the words >> 4; vpermw reads 5 index bits, so row i's indices carry
+      // row i + 1's lowest bit as bit 4, and the table holds its 16 values twice.
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(rec + i * 16)));
+      const __m512i index[2] = {words, _mm512_srli_epi16(words, 4)};
+      for (int r = 0; r < 2; ++r) {
+        __m512 values = _mm512_mul_ps(levels, _mm512_set1_ps(d[i + r]));
+        if constexpr (Type == kQ4_1) values = _mm512_add_ps(unfused(values), _mm512_set1_ps(m[i + r]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+        _mm512_store_si512(tile + (i + r) * 32, _mm512_permutexvar_epi16(index[r], table));
+      }
+    }
+  }
+}
+
+// x [M, K] bf16 -> x^T tiles: for each 32-input block and 16-token tile, [16 pairs][16 tokens]
+// of 32-bit (two bf16) words; tokens past M are zero.
+void pack_tokens(uint32_t* out, const at::Tensor& x, int64_t token_tiles) {
+  const int64_t m = x.size(0), pairs = x.size(1) / 2;
+  const auto* words = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+  for (int64_t tt = 0; tt < token_tiles; ++tt) {
+    const int64_t valid = std::min<int64_t>(16, m - tt * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const int32_t* first = words + tt * 16 * pairs;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i column = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
+                                                         first + p, 4);
+      _mm512_store_si512(out + (((p / 16) * token_tiles + tt) * 16 + p % 16) * 16, column);
+    }
+  }
+}
+
+// GCC's tile intrinsics are macros that paste the tile number into the instruction: literals
+// only. The two x^T tiles alternate so a load need not wait for the previous product.
+#define CONVEYOR_ACCUMULATE(acc, src, xt)  \
+  do {                                     \
+    _tile_loadd(src, xt, 64);              \
+    _tile_dpbf16ps(acc, 0, src);           \
+  } while (0)
+
+template <int64_t Type, int TokenTiles>
+void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
+                  int64_t m, int64_t n, int64_t blocks) {
+  const int64_t record = block_format(Type).record_bytes, row_tiles = n / 16;
+  // ~4 MB of weights per task at most, a task per row tile at least.
+  at::parallel_for(0, row_tiles, 8, [&](int64_t t0, int64_t t1) {
+    static thread_local const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) uint16_t tiles[2][16 * 32];
+    alignas(64) float c[16 * 16];
+    const __m512i columns = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(16));
+    for (int64_t t = t0; t < t1; ++t) {
+      _tile_zero(2);
+      if constexpr (TokenTiles > 1) _tile_zero(3);
+      if constexpr (TokenTiles > 2) _tile_zero(4);
+      if constexpr (TokenTiles > 3) _tile_zero(5);
+      const uint8_t* rec = w + t * blocks * record;
+      for (int64_t b = 0; b < blocks; ++b, rec += record) {
+        // The task streams its records in order; asking for them 8 records (2.3-4.3 KB)
+        // ahead keeps more of them in flight than the hardware prefetcher does: ~1.3x.
+        const char* ahead = reinterpret_cast<const char*>(rec + 8 * record);
+        for (int64_t line = 0; line < record; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        // Two tile buffers: the next record's stores need not wait for this tile's load.
+        uint16_t* tile = tiles[b % 2];
+        dequantize_record<Type>(rec, tile);
+        _tile_loadd(0, tile, 64);
+        const uint32_t* xb = xt + b * TokenTiles * 256;
+        CONVEYOR_ACCUMULATE(2, 1, xb);
+        if constexpr (TokenTiles > 1) CONVEYOR_ACCUMULATE(3, 6, xb + 256);
+        if constexpr (TokenTiles > 2) CONVEYOR_ACCUMULATE(4, 1, xb + 512);
+        if constexpr (TokenTiles > 3) CONVEYOR_ACCUMULATE(5, 6, xb + 768);
+      }
+      const __m512 b16 = bias ? _mm512_loadu_ps(bias + t * 16) : _mm512_setzero_ps();
+      for (int64_t tt = 0; tt < TokenTiles; ++tt) {
+        switch (tt) {
+          case 0: _tile_stored(2, c, 64); break;
+          case 1: _tile_stored(3, c, 64); break;
+          case 2: _tile_stored(4, c, 64); break;
+          default: _tile_stored(5, c, 64); break;
+        }
+        // c is [16 rows][16 tokens]: token j's 16 outputs are column j.
+        for (int64_t j = 0; j < 16 && tt * 16 + j < m; ++j) {
+          __m512 v = _mm512_i32gather_ps(columns, c + j, 4);
+          if (bias) v = _mm512_add_ps(v, b16);
+          _mm256_storeu_si256((__m256i*)(y + (tt * 16 + j) * n + t * 16),
+                              (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+template <int64_t Type>
+void linear_dispatch(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
+                     int64_t m, int64_t n, int64_t blocks, int64_t token_tiles) {
+  switch (token_tiles) {
+    case 1: return linear_tiles<Type, 1>(y, xt, w, bias, m, n, blocks);
+    case 2: return linear_tiles<Type, 2>(y, xt, w, bias, m, n, blocks);
+    case 3: return linear_tiles<Type, 3>(y, xt, w, bias, m, n, blocks);
+    default: return linear_tiles<Type, 4>(y, xt, w, bias, m, n, blocks);
+  }
+}
+
+#endif  // CONVEYOR_AMX
+
+}  // namespace
+
+bool quantized_linear_available() {
+#ifdef CONVEYOR_AMX
+  static const bool granted = request_tile_registers();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(quantized_linear_available(),
+              "quantized_linear: needs a CPU with AMX-BF16 (and kernels built for it)");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quantized_linear: w must come from pack_block_weights");
+  const int64_t type = type_of_record(w.size(2));
+  const int64_t n = w.size(0) * 16, blocks = w.size(1), k = blocks * 32;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
+              "quantized_linear: x must be bf16 [rows, ", k, "], got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t m = x.size(0);
+  TORCH_CHECK(m >= 1 && m <= kQuantizedMaxRows, "quantized_linear: 1 to ", kQuantizedMaxRows,
+              " rows, got ", m);
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "quantized_linear: bias must be [", n, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+#ifdef CONVEYOR_AMX
+  const at::Tensor xc = x.contiguous();
+  const int64_t token_tiles = (m + 15) / 16;
+  at::Tensor xt_buffer = at::empty({blocks * token_tiles * 256}, x.options().dtype(at::kInt));
+  auto* xt = reinterpret_cast<uint32_t*>(xt_buffer.data_ptr<int32_t>());
+  pack_tokens(xt, xc, token_tiles);
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* out = y.data_ptr<at::BFloat16>();
+  const auto* wd = w.data_ptr<uint8_t>();
+  switch (type) {
+    case kQ4_0: linear_dispatch<kQ4_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+    case kQ4_1: linear_dispatch<kQ4_1>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+    default: linear_dispatch<kQ8_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+  }
+#endif
+  return y;
+}
+
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("quantized_linear_available() -> bool", &conveyor::quantized_linear_available);
+  m.def("quantized_linear_max_rows() -> int", [] { return conveyor::kQuantizedMaxRows; });
+  m.def("pack_block_weights(Tensor raw, int type) -> Tensor", &conveyor::pack_block_weights);
+  m.def("quantized_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor",
+        &conveyor::quantized_linear);
+}

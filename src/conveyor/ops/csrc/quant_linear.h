@@ -1,0 +1,23 @@
+// Matmuls on GGUF block-quantized weights (quant_linear.cpp), for cpu_ops.cpp's decode loop.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace conveyor {
+
+// Whether quantized_linear can run here: built with AMX-BF16 and the kernel granted the
+// tile registers.
+bool quantized_linear_available();
+
+// The most rows (tokens) quantized_linear takes in one call.
+constexpr int64_t kQuantizedMaxRows = 64;
+
+// y = x W^T + b for x [M <= kQuantizedMaxRows, K] bf16 and W packed by pack_block_weights:
+// bit-identical to oneDNN's bf16 matmul on the dequantized weights (what the loader makes of
+// the same blocks), while reading 0.56-1.06 bytes per weight instead of 2.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias);
+
+}  // namespace conveyor
