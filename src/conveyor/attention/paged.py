@@ -5,8 +5,8 @@ The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`
 are written into their slots (``block_id * block_size + offset``) for the whole batch first;
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
-one with torch's SDPA: causal inside the chunk, full over the cached prefix (gathered block by
-block). A decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
+one: causal inside the chunk, full over the cached prefix (gathered block by block), with
+``ops.prefill_attention`` (C++, AMX tiles) in bf16 on CPUs with AMX, else torch's SDPA. A decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
 """
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+from conveyor.ops import amx_available, reference
 from conveyor.ops.reference import gather_kv
 
 
@@ -37,10 +38,18 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
+    tiles = _amx_prefill(ops, q)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale, tiles)
     return out
+
+
+def _amx_prefill(ops: Any, q: torch.Tensor) -> bool:
+    """Whether prefill chunks take ``ops.prefill_attention`` (C++, AMX tiles: bf16 on CPUs
+    with AMX, head_dim a multiple of 32) rather than SDPA."""
+    return (ops is not reference and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+            and q.shape[-1] <= 256 and amx_available())
 
 
 def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -51,7 +60,13 @@ def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             chunk: PrefillChunk, scale: float) -> torch.Tensor:
+             chunk: PrefillChunk, scale: float, tiles: bool) -> torch.Tensor:
+    if tiles:
+        if chunk.block_table is not None:  # the prefix's K/V (and the chunk's) from the cache
+            kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)
+            keys = chunk.num_computed_tokens + chunk.query_len
+            k, v = kh[0, :, :keys].transpose(0, 1), vh[0, :, :keys].transpose(0, 1)
+        return torch.ops.conveyor.prefill_attention(q, k, v, k.shape[0] - q.shape[0], scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     if chunk.block_table is None:  # no prefix: attend to the fresh K/V
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

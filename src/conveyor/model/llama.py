@@ -19,7 +19,7 @@ from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
-from conveyor.ops import for_device, reference
+from conveyor.ops import amx_available, for_device, reference
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class CausalLM(nn.Module):
         supported type keeps its bf16 weight. Returns how many matmuls took their blocks."""
         ops: Any = torch.ops.conveyor
         if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not ops.quantized_linear_available()):
+                or not amx_available()):
             return 0
         groups = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
                   ("self_attn", "o_proj", ("o_proj",)),

@@ -30,7 +30,8 @@ from conveyor.ops import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen headers and runs serially without it.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -61,6 +62,13 @@ def load_cpu_kernels() -> bool:
         logger.warning("C++ kernels unavailable, using the torch reference ops: %s", exc)
         return False
     return True
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX kernels (``quantized_linear``, ``prefill_attention``) can run: the C++
+    kernels are built, with AMX-BF16, and the OS grants the tile registers."""
+    return load_cpu_kernels() and bool(torch.ops.conveyor.amx_available())
 
 
 def for_device(device: torch.device) -> ModuleType | Any:

@@ -87,6 +87,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, for_device(device))
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
+        self.prompt_lens: dict[str, int] = {}
 
     def use_ops(self, ops: Any) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.for_device`` chose at
@@ -99,9 +100,11 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
             self.tokens.pop(request_id, None)
+            self.prompt_lens.pop(request_id, None)
         self._copy_blocks(out)
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.all_token_ids)
+            self.prompt_lens[new.request_id] = new.num_prompt_tokens
             if new.request_id in self.states:
                 continue  # resumed after preemption: keep its sampler state (seeded RNG)
             p = new.sampling_params
@@ -111,8 +114,8 @@ class ModelRunner:
                 make_generator(p, self.device), new.eos_token_ids)
         if out.is_empty:
             return ModelRunnerOutput({})
-        # Decodes (one query token) first: the attention backend batches them together.
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes first: the attention backend batches them together.
+        batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         samplers = [s for s in batch if s.samples]
@@ -145,6 +148,12 @@ class ModelRunner:
             self.kv_caches[:, :, dev] = \
                 self.swap_space[:, :, host.to(self.swap_space.device)].to(self.device)
 
+    def _is_decode(self, s: ScheduledRequest) -> bool:
+        """One generated token's step. A prompt's last token alone (its chunking left it for
+        a step of its own) stays a prefill chunk: every prompt token then goes through the
+        same attention kernel, so prompts' KV do not depend on how they were chunked."""
+        return s.num_new_tokens == 1 and s.num_computed_tokens >= self.prompt_lens[s.request_id]
+
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -158,7 +167,7 @@ class ModelRunner:
         num_decodes = 0
         for s in batch:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            if s.num_new_tokens == 1:
+            if self._is_decode(s):
                 ids.append(self.tokens[s.request_id][start])
                 decode_pos.append(start)
                 decode_slots.append(s.block_ids[start // bs] * bs + start % bs)

@@ -24,6 +24,8 @@
 
 #include "quant_linear.h"
 
+#include "amx.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -33,8 +35,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define CONVEYOR_AMX 1
+#ifdef CONVEYOR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -114,20 +115,6 @@ bool request_tile_registers() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
-
-// Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
-// tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      rows[t] = 16;
-      colsb[t] = 64;
-    }
-  }
-};
 
 // A float32 product as numpy computes it, kept apart from a following sum: the empty asm
 // hides that the value is a product, so the compiler cannot fuse the two into one rounding.
@@ -213,8 +200,9 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
   const int64_t record = block_format(Type).record_bytes, row_tiles = n / 16;
   // ~4 MB of weights per task at most, a task per row tile at least.
   at::parallel_for(0, row_tiles, 8, [&](int64_t t0, int64_t t1) {
-    static thread_local const TileConfig config;
-    _tile_loadconfig(&config);
+    // Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
+    // tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
+    load_tile_config();
     alignas(64) uint16_t tiles[2][16 * 32];
     alignas(64) float c[16 * 16];
     const __m512i columns = _mm512_mullo_epi32(
@@ -277,7 +265,7 @@ void linear_dispatch(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, cons
 
 }  // namespace
 
-bool quantized_linear_available() {
+bool amx_available() {
 #ifdef CONVEYOR_AMX
   static const bool granted = request_tile_registers();
   return granted;
@@ -286,9 +274,10 @@ bool quantized_linear_available() {
 #endif
 }
 
+
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(quantized_linear_available(),
+  TORCH_CHECK(amx_available(),
               "quantized_linear: needs a CPU with AMX-BF16 (and kernels built for it)");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "quantized_linear: w must come from pack_block_weights");
@@ -327,7 +316,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("quantized_linear_available() -> bool", &conveyor::quantized_linear_available);
+  m.def("amx_available() -> bool", &conveyor::amx_available);
   m.def("quantized_linear_max_rows() -> int", [] { return conveyor::kQuantizedMaxRows; });
   m.def("pack_block_weights(Tensor raw, int type) -> Tensor", &conveyor::pack_block_weights);
   m.def("quantized_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor",

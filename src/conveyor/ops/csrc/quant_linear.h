@@ -7,10 +7,6 @@
 
 namespace conveyor {
 
-// Whether quantized_linear can run here: built with AMX-BF16 and the kernel granted the
-// tile registers.
-bool quantized_linear_available();
-
 // The most rows (tokens) quantized_linear takes in one call.
 constexpr int64_t kQuantizedMaxRows = 64;
 

@@ -1,0 +1,222 @@
+// Causal attention of a prefill chunk with AMX tiles (bf16, head_dim a multiple of 32).
+//
+// torch's CPU flash-attention kernel splits a prompt of a few hundred tokens into many small
+// GEMM calls whose fixed cost dominates: ~0.4 ms per prompt and layer for 186 tokens here,
+// 22 % of a 2048-token prefill step. This kernel does, for each head and 16 queries, two
+// passes over the visible keys with tile products and no calls between them:
+//   S = Q K^T (16 x 16 per tile, float32), an exact softmax per row over its visible keys
+//   (scaled, max-subtracted, exp in float32, rounded to bf16 as P), then O = P V
+//   (accumulated in float32 tiles) divided by the row's sum and rounded to bf16.
+// Key j is visible to query i when j <= offset + i (offset: the cached prefix before the
+// chunk, whose keys come first in k and v). K and V are packed once per KV head into the tile
+// layouts (pairs of bf16 per 32-bit word along the product's inner dimension).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "amx.h"
+#include "simd_math.h"
+
+namespace conveyor {
+namespace {
+
+#ifdef CONVEYOR_AMX
+
+// k [keys, d] (row stride `stride` elements) -> per 16 keys, [d/2 pairs][16 keys] words:
+// the second operand of S = Q K^T. Keys past the end are zero.
+void pack_keys(uint32_t* out, const at::BFloat16* k, int64_t keys, int64_t stride, int64_t d,
+               int64_t key_blocks) {
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(stride / 2)));  // in words
+  const auto* words = reinterpret_cast<const int32_t*>(k);
+  for (int64_t kb = 0; kb < key_blocks; ++kb) {
+    const int64_t valid = std::min<int64_t>(16, keys - kb * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const int32_t* first = words + kb * 16 * (stride / 2);
+    for (int64_t p = 0; p < d / 2; ++p)
+      _mm512_storeu_si512(out + (kb * (d / 2) + p) * 16,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
+                                                      first + p, 4));
+  }
+}
+
+// v [keys, d] -> per 32 keys and 16 dims, [16 key pairs][16 dims] words (the low half the
+// even key): the second operand of O = P V. Keys past the end are zero.
+void pack_values(uint32_t* out, const at::BFloat16* v, int64_t keys, int64_t stride, int64_t d,
+                 int64_t pair_blocks) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t pb = 0; pb < pair_blocks; ++pb)
+    for (int64_t pr = 0; pr < 16; ++pr) {
+      const int64_t key = pb * 32 + 2 * pr;
+      for (int64_t dt = 0; dt < d / 16; ++dt) {
+        const __m256i even = key < keys
+            ? _mm256_loadu_si256((const __m256i*)(v + key * stride + dt * 16)) : zero;
+        const __m256i odd = key + 1 < keys
+            ? _mm256_loadu_si256((const __m256i*)(v + (key + 1) * stride + dt * 16)) : zero;
+        _mm512_storeu_si512(out + ((pb * (d / 16) + dt) * 16 + pr) * 16,
+                            _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16)));
+      }
+    }
+}
+
+// Softmax of one row of scores s[0, n) (scaled), written as bf16 p[0, width) with zeros past
+// n; returns the sum of the unrounded exponentials.
+float softmax_row(const float* s, uint16_t* p, int64_t n, int64_t width, float scale) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + j));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j < width; j += 16) {
+    const int64_t valid = std::clamp<int64_t>(n - j, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, s + j), sc, shift));
+    e = _mm512_maskz_mov_ps(mask, e);
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256((__m256i*)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+#endif  // CONVEYOR_AMX
+
+}  // namespace
+
+// q [L, H, D], k and v [offset + L, KVH, D] (the prefix's keys first), each with unit stride
+// in D; returns [L, H, D].
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             int64_t offset, double scale) {
+  TORCH_CHECK(amx_available(), "prefill_attention: needs a CPU with AMX-BF16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
+  const int64_t len = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t keys = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "prefill_attention: bf16 only");
+  TORCH_CHECK(d % 32 == 0 && d <= 256 && k.size(2) == d && v.sizes() == k.sizes(),
+              "prefill_attention: head_dim must be a multiple of 32 (at most 256), k and v alike");
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "prefill_attention: heads % kv_heads");
+  TORCH_CHECK(offset >= 0 && keys == offset + len, "prefill_attention: k must hold offset + ",
+              len, " keys, got ", keys);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "prefill_attention: head_dim must be contiguous");
+  at::Tensor out = at::empty({len, heads, d}, q.options());
+#ifdef CONVEYOR_AMX
+  const int64_t key_blocks = (keys + 15) / 16, pair_blocks = (keys + 31) / 32;
+  const int64_t width = pair_blocks * 32;  // scores and weights per row, padded
+  const int64_t packed_k = key_blocks * (d / 2) * 16, packed_v = pair_blocks * (d / 16) * 256;
+  std::vector<uint32_t> kt(static_cast<size_t>(kv_heads * packed_k));
+  std::vector<uint32_t> vt(static_cast<size_t>(kv_heads * packed_v));
+  const auto* kd = k.data_ptr<at::BFloat16>();
+  const auto* vd = v.data_ptr<at::BFloat16>();
+  at::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      pack_keys(kt.data() + h * packed_k, kd + h * k.stride(1), keys, k.stride(0), d, key_blocks);
+      pack_values(vt.data() + h * packed_v, vd + h * v.stride(1), keys, v.stride(0), d,
+                  pair_blocks);
+    }
+  });
+  const int64_t group = heads / kv_heads, q_blocks = (len + 15) / 16;
+  const auto* qd = q.data_ptr<at::BFloat16>();
+  auto* od = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, heads * q_blocks, 1, [&](int64_t w0, int64_t w1) {
+    const FlushDenormals flush;
+    load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
+    std::vector<float> s(static_cast<size_t>(16 * width));
+    std::vector<uint16_t> p(static_cast<size_t>(16 * width));
+    alignas(64) uint16_t qbuf[16 * 256];
+    alignas(64) float o[16 * 256];
+    float sums[16];
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w / q_blocks, q0 = (w % q_blocks) * 16;
+      const int64_t rows = std::min<int64_t>(16, len - q0);
+      const uint32_t* kh = kt.data() + (h / group) * packed_k;
+      const uint32_t* vh = vt.data() + (h / group) * packed_v;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < rows)
+          std::memcpy(qbuf + i * d, qd + (q0 + i) * q.stride(0) + h * q.stride(1), d * 2);
+        else
+          std::memset(qbuf + i * d, 0, d * 2);
+      }
+      const int64_t visible = offset + q0 + rows;  // keys the last row sees
+      for (int64_t kb = 0; kb * 16 < visible; ++kb) {  // S = Q K^T
+        _tile_zero(2);
+        for (int64_t c = 0; c < d / 32; ++c) {
+          _tile_loadd(0, qbuf + c * 32, d * 2);
+          _tile_loadd(1, kh + (kb * (d / 2) + c * 16) * 16, 64);
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, s.data() + kb * 16, width * 4);
+      }
+      const int64_t used = (visible + 31) / 32 * 32;  // weights P V reads per row
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < rows)
+          sums[i] = softmax_row(s.data() + i * width, p.data() + i * width, offset + q0 + i + 1,
+                                used, static_cast<float>(scale));
+        else
+          std::memset(p.data() + i * width, 0, used * 2);
+      }
+      for (int64_t d0 = 0; d0 < d; d0 += 64) {  // O = P V, 64 dims (4 tiles) at a time
+        const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t pb = 0; pb * 32 < visible; ++pb) {
+          _tile_loadd(0, p.data() + pb * 32, width * 2);
+          const uint32_t* vb = vh + (pb * (d / 16) + d0 / 16) * 256;
+          _tile_loadd(1, vb, 64);
+          _tile_dpbf16ps(4, 0, 1);
+          if (tiles > 1) {
+            _tile_loadd(1, vb + 256, 64);
+            _tile_dpbf16ps(5, 0, 1);
+          }
+          if (tiles > 2) {
+            _tile_loadd(1, vb + 512, 64);
+            _tile_dpbf16ps(6, 0, 1);
+          }
+          if (tiles > 3) {
+            _tile_loadd(1, vb + 768, 64);
+            _tile_dpbf16ps(7, 0, 1);
+          }
+        }
+        _tile_stored(4, o + d0, d * 4);
+        if (tiles > 1) _tile_stored(5, o + d0 + 16, d * 4);
+        if (tiles > 2) _tile_stored(6, o + d0 + 32, d * 4);
+        if (tiles > 3) _tile_stored(7, o + d0 + 48, d * 4);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / sums[i]);
+        at::BFloat16* dst = od + ((q0 + i) * heads + h) * d;
+        for (int64_t c = 0; c < d; c += 16)
+          _mm256_storeu_si256((__m256i*)(dst + c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                  _mm512_loadu_ps(o + i * d + c), inv)));
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int offset, float scale) -> Tensor",
+        &conveyor::prefill_attention);
+}
