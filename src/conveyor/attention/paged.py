@@ -6,7 +6,8 @@ are written into their slots (``block_id * block_size + offset``) for the whole 
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
 one: causal inside the chunk, full over the cached prefix (gathered block by block), with
-``ops.prefill_attention`` (C++, AMX tiles) in bf16 on CPUs with AMX, else torch's SDPA. A decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
+``ops.prefill_attention`` (C++, AMX tiles) in bf16 on CPUs with AMX, else torch's SDPA. A
+decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
 """
 
