@@ -166,24 +166,48 @@ inline void dequantize_record(const uint8_t* rec, uint16_t* tile) {
   }
 }
 
+// r[0..16) of 16 lanes each -> their transpose (lane j of r[i] moves to lane i of r[j]).
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // x [M, K] bf16 -> x^T tiles: for each 32-input block and 16-token tile, [16 pairs][16 tokens]
 // of 32-bit (two bf16) words; tokens past M are zero.
 void pack_tokens(uint32_t* out, const at::Tensor& x, int64_t token_tiles) {
-  const int64_t m = x.size(0), pairs = x.size(1) / 2;
-  const auto* words = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
-  const __m512i rows = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(pairs)));
-  for (int64_t tt = 0; tt < token_tiles; ++tt) {
-    const int64_t valid = std::min<int64_t>(16, m - tt * 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const int32_t* first = words + tt * 16 * pairs;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512i column = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
-                                                         first + p, 4);
-      _mm512_store_si512(out + (((p / 16) * token_tiles + tt) * 16 + p % 16) * 16, column);
+  const int64_t m = x.size(0), pairs = x.size(1) / 2, blocks = pairs / 16;
+  const auto* words = reinterpret_cast<const float*>(x.data_ptr<at::BFloat16>());
+  __m512 r[16];
+  for (int64_t tt = 0; tt < token_tiles; ++tt)
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t token = tt * 16 + j;
+        r[j] = token < m ? _mm512_loadu_ps(words + token * pairs + b * 16) : _mm512_setzero_ps();
+      }
+      transpose16x16(r);
+      float* dst = reinterpret_cast<float*>(out) + (b * token_tiles + tt) * 256;
+      for (int64_t p = 0; p < 16; ++p) _mm512_store_ps(dst + p * 16, r[p]);
     }
-  }
 }
 
 // GCC's tile intrinsics are macros that paste the tile number into the instruction: literals
@@ -205,9 +229,6 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
     load_tile_config();
     alignas(64) uint16_t tiles[2][16 * 32];
     alignas(64) float c[16 * 16];
-    const __m512i columns = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(16));
     for (int64_t t = t0; t < t1; ++t) {
       _tile_zero(2);
       if constexpr (TokenTiles > 1) _tile_zero(3);
@@ -237,10 +258,12 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
           case 2: _tile_stored(4, c, 64); break;
           default: _tile_stored(5, c, 64); break;
         }
-        // c is [16 rows][16 tokens]: token j's 16 outputs are column j.
+        // c is [16 rows][16 tokens]; transposed, r[j] holds token j's 16 outputs.
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * 16);
+        transpose16x16(r);
         for (int64_t j = 0; j < 16 && tt * 16 + j < m; ++j) {
-          __m512 v = _mm512_i32gather_ps(columns, c + j, 4);
-          if (bias) v = _mm512_add_ps(v, b16);
+          const __m512 v = bias ? _mm512_add_ps(r[j], b16) : r[j];
           _mm256_storeu_si256((__m256i*)(y + (tt * 16 + j) * n + t * 16),
                               (__m256i)_mm512_cvtneps_pbh(v));
         }
