@@ -1112,7 +1112,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // run oneDNN on the bf16 weights.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& b) {
-  if (blocks.has_value() && x.size(0) <= conveyor::kQuantizedMaxRows)
+  if (blocks.has_value() && x.size(0) >= 1 && x.size(0) <= conveyor::kQuantizedMaxRows)
     return conveyor::quantized_linear(x, *blocks, b);
   return packed_linear(x, packed, b);
 }

@@ -114,6 +114,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               len, " keys, got ", keys);
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "prefill_attention: head_dim must be contiguous");
+  // Keys are read as pairs of bf16 (32-bit words).
+  TORCH_CHECK(k.stride(0) % 2 == 0 && k.stride(1) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(k.data_ptr()) % 4 == 0,
+              "prefill_attention: k's rows must start on 4-byte boundaries");
   at::Tensor out = at::empty({len, heads, d}, q.options());
 #ifdef CONVEYOR_AMX
   const int64_t key_blocks = (keys + 15) / 16, pair_blocks = (keys + 31) / 32;
