@@ -2,15 +2,17 @@
 
 ``for_device(device)`` returns a namespace with ``rms_norm``, ``add_rms_norm_``,
 ``silu_mul``, ``rotary_``, ``write_kv_``, ``decode_attention`` and ``argmax`` (signatures in
-``reference.py``). On CPU it is ``torch.ops.conveyor``, built from ``csrc/cpu_ops.cpp`` by
-``torch.utils.cpp_extension`` on first use (~15 s with g++ and ninja; cached under
+``reference.py``). On CPU it is ``torch.ops.conveyor``, built from ``csrc/*.cpp`` by
+``torch.utils.cpp_extension`` on first use (~25 s with g++ and ninja; cached under
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``). Each kernel replaces several
 torch ops (norm: 8, RoPE: 6, attention: 2 gathers + mask + SDPA) with one call that does no
 extra copies; the C++ namespace also has ``decode_layers``, every decoder layer of a
-decode-only step in one call (``CausalLM.forward`` uses it when present), and, from
-``csrc/quant_linear.cpp``, ``quantized_linear``: decode matmuls that read a GGUF's Q4_0/Q4_1/
-Q8_0 blocks in place with AMX tiles, bit-identical to oneDNN on the bf16 weights. If the build fails
-(no C++ compiler) the engine logs why and runs the reference. ``CONVEYOR_KERNELS=0`` selects
+decode-only step in one call (``CausalLM.forward`` uses it when present), and two AMX-tile
+kernels for bf16 on CPUs that have them (``amx_available``): ``quantized_linear``
+(``csrc/quant_linear.cpp``: decode matmuls that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place,
+bit-identical to oneDNN on the bf16 weights) and ``prefill_attention``
+(``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
+and runs the reference. ``CONVEYOR_KERNELS=0`` selects
 the reference on CPU too.
 """
 
