@@ -222,7 +222,7 @@ template <int64_t Type, int TokenTiles>
 void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
                   int64_t m, int64_t n, int64_t blocks) {
   const int64_t record = block_format(Type).record_bytes, row_tiles = n / 16;
-  // ~4 MB of weights per task at most, a task per row tile at least.
+  // Row tiles split over the threads, at least 8 per task (a small matmul stays on one).
   at::parallel_for(0, row_tiles, 8, [&](int64_t t0, int64_t t1) {
     // Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
     // tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
