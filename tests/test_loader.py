@@ -132,8 +132,10 @@ def test_safetensors_folder_matches_model(tmp_path, arch: str, tie: bool) -> Non
         assert got["model.layers.1.self_attn.k_norm.weight"].shape == (16,)
 
 
-def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: bool) -> None:
-    """A float32 GGUF the way convert_hf_to_gguf.py lays it out (llama: q/k permuted)."""
+def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: bool,
+                qtype: gguf.GGMLQuantizationType | None = None) -> None:
+    """A float32 GGUF the way convert_hf_to_gguf.py lays it out (llama: q/k permuted); with
+    ``qtype``, its matrices quantized to that block type."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -163,7 +165,11 @@ def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: b
             gguf_name = f"blk.{i}.{layer[module]}.{kind}"
         else:
             gguf_name = names[name]
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(w), qtype),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -182,6 +188,33 @@ def test_written_gguf_round_trips(tmp_path, arch: str, permute: bool) -> None:
     assert set(got) == set(state)
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q8_0")])
+def test_quantized_gguf_decodes_from_its_blocks_with_unchanged_outputs(tmp_path, arch: str,
+                                                                        qtype: str) -> None:
+    """Block-quantized matrices (q/k permuted for llama, biases for qwen2, an untied LM head):
+    in bf16 every matmul reads its blocks in decode steps, and greedy outputs are the same as
+    with the bf16 weights alone."""
+    from conveyor import LLM, SamplingParams, ops
+
+    if not ops.amx_available():
+        pytest.skip("the block matmuls need a CPU with AMX-BF16")
+    path = str(tmp_path / f"tiny-{qtype}.gguf")
+    _write_gguf(path, arch, _tiny_model(arch, tie=False).state_dict(), permute=arch == "llama",
+                qtype=gguf.GGMLQuantizationType[qtype])
+    prompts = [{"prompt_token_ids": [5 + i, 900 + 7 * i, 31, 4000 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for quantized in (True, False):
+        llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), dtype="bfloat16",
+                  kv_cache_memory="8MiB", quantized_matmuls=quantized)
+        model = llm.engine.runner.model
+        linears = [m for m, _ in model.matmul_layers()[:-1]] + [model.lm_head]
+        assert len(linears) == 9
+        assert all((m.blocks is not None) == quantized for m in linears)
+        outputs[quantized] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
 
 
 # --- dummy loads and errors -----------------------------------------------------------------
