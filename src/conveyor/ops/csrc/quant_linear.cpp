@@ -8,7 +8,9 @@
 // so the results are bit-identical to it (checked at load on every weight, and in the tests).
 //
 // Dequantization reproduces gguf-py's numpy (float32, no fused multiply-add): Q4_0 d*(q-8),
-// Q4_1 d*q+m, Q8_0 d*q, then float32 -> bf16 rounded to nearest even as torch's copy does.
+// Q4_1 d*q+m, Q8_0 d*q, then float32 -> bf16 rounded to nearest even as torch's copy does
+// (vcvtne2ps2bf16 also flushes float32 denormals, which torch keeps: the load-time check
+// would catch a weight where that mattered).
 // For the 4-bit types each row's 16 possible values are computed once per block and its 32
 // weights looked up with one vpermw: ~6 instructions per row and block.
 //
