@@ -29,25 +29,6 @@ namespace {
 
 #ifdef CONVEYOR_AMX
 
-// k [keys, d] (row stride `stride` elements) -> per 16 keys, [d/2 pairs][16 keys] words:
-// the second operand of S = Q K^T. Keys past the end are zero.
-void pack_keys(uint32_t* out, const at::BFloat16* k, int64_t keys, int64_t stride, int64_t d,
-               int64_t key_blocks) {
-  const __m512i rows = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(stride / 2)));  // in words
-  const auto* words = reinterpret_cast<const int32_t*>(k);
-  for (int64_t kb = 0; kb < key_blocks; ++kb) {
-    const int64_t valid = std::min<int64_t>(16, keys - kb * 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const int32_t* first = words + kb * 16 * (stride / 2);
-    for (int64_t p = 0; p < d / 2; ++p)
-      _mm512_storeu_si512(out + (kb * (d / 2) + p) * 16,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
-                                                      first + p, 4));
-  }
-}
-
 // v [keys, d] -> per 32 keys and 16 dims, [16 key pairs][16 dims] words (the low half the
 // even key): the second operand of O = P V. Keys past the end are zero.
 void pack_values(uint32_t* out, const at::BFloat16* v, int64_t keys, int64_t stride, int64_t d,
@@ -129,7 +110,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto* vd = v.data_ptr<at::BFloat16>();
   at::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
-      pack_keys(kt.data() + h * packed_k, kd + h * k.stride(1), keys, k.stride(0), d, key_blocks);
+      // K^T for S = Q K^T: per 16 dim pairs and 16 keys, [16 pairs][16 keys] words.
+      transpose_pairs(kt.data() + h * packed_k,
+                      reinterpret_cast<const uint32_t*>(kd + h * k.stride(1)), keys,
+                      k.stride(0) / 2, d / 32, key_blocks);
       pack_values(vt.data() + h * packed_v, vd + h * v.stride(1), keys, v.stride(0), d,
                   pair_blocks);
     }
@@ -161,7 +145,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         _tile_zero(2);
         for (int64_t c = 0; c < d / 32; ++c) {
           _tile_loadd(0, qbuf + c * 32, d * 2);
-          _tile_loadd(1, kh + (kb * (d / 2) + c * 16) * 16, 64);
+          _tile_loadd(1, kh + (c * key_blocks + kb) * 256, 64);
           _tile_dpbf16ps(2, 0, 1);
         }
         _tile_stored(2, s.data() + kb * 16, width * 4);

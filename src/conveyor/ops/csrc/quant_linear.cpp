@@ -27,6 +27,7 @@
 #include "quant_linear.h"
 
 #include "amx.h"
+#include "simd_math.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -168,48 +169,12 @@ inline void dequantize_record(const uint8_t* rec, uint16_t* tile) {
   }
 }
 
-// r[0..16) of 16 lanes each -> their transpose (lane j of r[i] moves to lane i of r[j]).
-inline void transpose16x16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // x [M, K] bf16 -> x^T tiles: for each 32-input block and 16-token tile, [16 pairs][16 tokens]
 // of 32-bit (two bf16) words; tokens past M are zero.
 void pack_tokens(uint32_t* out, const at::Tensor& x, int64_t token_tiles) {
-  const int64_t m = x.size(0), pairs = x.size(1) / 2, blocks = pairs / 16;
-  const auto* words = reinterpret_cast<const float*>(x.data_ptr<at::BFloat16>());
-  __m512 r[16];
-  for (int64_t tt = 0; tt < token_tiles; ++tt)
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t token = tt * 16 + j;
-        r[j] = token < m ? _mm512_loadu_ps(words + token * pairs + b * 16) : _mm512_setzero_ps();
-      }
-      transpose16x16(r);
-      float* dst = reinterpret_cast<float*>(out) + (b * token_tiles + tt) * 256;
-      for (int64_t p = 0; p < 16; ++p) _mm512_store_ps(dst + p * 16, r[p]);
-    }
+  const int64_t pairs = x.size(1) / 2;
+  transpose_pairs(out, reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), x.size(0),
+                  pairs, pairs / 16, token_tiles);
 }
 
 // GCC's tile intrinsics are macros that paste the tile number into the instruction: literals

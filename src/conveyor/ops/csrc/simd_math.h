@@ -1,5 +1,7 @@
-// Vector math shared by the kernels (cpu_ops.cpp, prefill_attention.cpp).
+// Vector code shared by the kernels (cpu_ops.cpp, quant_linear.cpp, prefill_attention.cpp).
 #pragma once
+
+#include <cstdint>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -24,6 +26,52 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// r[0..16) of 16 lanes each -> their transpose (lane j of r[i] moves to lane i of r[j]).
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// rows [n][16 * pair_blocks] of 32-bit words (pairs of bf16; a row every `stride` words) ->
+// for each 16-word block b and 16-row tile t, their transpose [16 words][16 rows] at
+// out + (b * row_tiles + t) * 256; rows past n are zero. The second operand of an AMX bf16
+// product is laid out this way (pairs of the inner dimension x 16 columns).
+inline void transpose_pairs(uint32_t* out, const uint32_t* rows, int64_t n, int64_t stride,
+                            int64_t pair_blocks, int64_t row_tiles) {
+  const auto* words = reinterpret_cast<const float*>(rows);
+  __m512 r[16];
+  for (int64_t tt = 0; tt < row_tiles; ++tt)
+    for (int64_t b = 0; b < pair_blocks; ++b) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t row = tt * 16 + j;
+        r[j] = row < n ? _mm512_loadu_ps(words + row * stride + b * 16) : _mm512_setzero_ps();
+      }
+      transpose16x16(r);
+      float* dst = reinterpret_cast<float*>(out) + (b * row_tiles + tt) * 256;
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_ps(dst + p * 16, r[p]);
+    }
 }
 #endif
 
