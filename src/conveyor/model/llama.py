@@ -58,6 +58,12 @@ class DecoderLayer(nn.Module):
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
+# A decoder layer's matmuls: (submodule, our fused linear, the HF projections it holds).
+LAYER_MATMULS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                 ("self_attn", "o_proj", ("o_proj",)),
+                 ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+                 ("mlp", "down_proj", ("down_proj",)))
+
 
 @dataclass(slots=True)
 class _LayerRefs:
@@ -190,12 +196,8 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def _layer_linears(self) -> list[nn.Linear | PackedLinear]:
-        linears: list[nn.Linear | PackedLinear] = []
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        return linears
+        return [getattr(getattr(layer, owner), ours)
+                for layer in self.layers for owner, ours, _ in LAYER_MATMULS]
 
     def matmul_layers(self, dense: bool = False
                       ) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
@@ -221,11 +223,9 @@ class CausalLM(nn.Module):
         """Replace every matmul weight (the LM head included, tied or not) by a oneDNN
         pre-packed copy; call once, after the weights are loaded."""
         for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
-                                (mlp, "down_proj")):
-                setattr(owner, name, PackedLinear.from_linear(getattr(owner, name)))
+            for owner, name, _ in LAYER_MATMULS:
+                module = getattr(layer, owner)
+                setattr(module, name, PackedLinear.from_linear(getattr(module, name)))
         self._refs = self._decode_weights = None  # rebuilt with the packed matmuls
         head = self.lm_head
         assert not isinstance(head, PackedLinear), "already packed"
@@ -241,14 +241,10 @@ class CausalLM(nn.Module):
         if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
                 or not amx_available()):
             return 0
-        groups = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                  ("self_attn", "o_proj", ("o_proj",)),
-                  ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
-                  ("mlp", "down_proj", ("down_proj",)))
         parts: list[tuple[Any, list[str]]] = [
             (getattr(getattr(layer, owner), ours),
              [f"model.layers.{i}.{owner}.{name}.weight" for name in theirs])
-            for i, layer in enumerate(self.layers) for owner, ours, theirs in groups]
+            for i, layer in enumerate(self.layers) for owner, ours, theirs in LAYER_MATMULS]
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         parts.append((self.lm_head, [head]))
         used = 0
