@@ -1,4 +1,5 @@
-"""Shared, cached reference objects for the loader and tokenizer tests (real files, no mocks).
+"""Shared, cached reference objects for the loader, tokenizer and model tests (real files, no
+mocks).
 
 transformers is the reference. Loading its GGUF tokenizer or dequantizing the default model
 takes seconds, so each is done once per test session.
@@ -61,3 +62,24 @@ def hf_tokenizer_folder() -> str:
     folder = tempfile.mkdtemp(prefix="conveyor-tok-")
     hf_gguf_tokenizer().save_pretrained(folder)
     return folder
+
+
+# Tiny random models checked against transformers: (name, architecture, config overrides).
+TINY_VARIANTS = [
+    ("llama", "llama", {}),
+    ("llama-gqa", "llama", {"num_attention_heads": 8, "num_key_value_heads": 2,
+                            "head_dim": 8}),
+    ("llama-tied", "llama", {"tie_word_embeddings": True}),
+    ("qwen2", "qwen2", {}),
+    ("qwen3", "qwen3", {"num_key_value_heads": 2}),
+]
+
+
+def assert_greedy_matches_reference(outputs, prompts, reference, greedy_reference,
+                                    max_tokens: int, name: str) -> None:
+    """Each output (greedy, ``ignore_eos``) equals transformers' greedy ids for its prompt."""
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, _ = greedy_reference(reference, prompt, max_tokens)
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == expected, f"{name}: prompt of {len(prompt)}"
+        assert output.outputs[0].finish_reason == "length"

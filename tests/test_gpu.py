@@ -16,20 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from conftest_models import TINY_VARIANTS, assert_greedy_matches_reference
 from conveyor import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-VARIANTS = [
-    ("llama", "llama", {}),
-    ("llama-gqa", "llama", {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8}),
-    ("qwen2", "qwen2", {}),
-    ("qwen3", "qwen3", {"num_key_value_heads": 2}),
-]
-
 
 def cuda_llm(folder: Any, **engine_args: Any) -> LLM:
     args: dict[str, Any] = dict(device="cuda", dtype="float32", kv_cache_memory=1 << 20,
@@ -50,7 +43,8 @@ def ids(outputs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("name,arch,overrides", VARIANTS, ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("name,arch,overrides", TINY_VARIANTS,
+                         ids=[v[0] for v in TINY_VARIANTS])
 def test_greedy_on_cuda_matches_transformers_on_cpu(name, arch, overrides, tiny_model_factory,
                                                     hf_tiny_model, greedy_reference,
                                                     kv_free) -> None:
@@ -59,9 +53,8 @@ def test_greedy_on_cuda_matches_transformers_on_cpu(name, arch, overrides, tiny_
     llm = cuda_llm(folder, block_size=8)
     batch = prompts(4, reference.config.vocab_size)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
-    for prompt, output in zip(batch, outputs, strict=True):
-        expected, _ = greedy_reference(reference, prompt, GREEDY.max_tokens)
-        assert output.outputs[0].token_ids == expected, f"{name}: prompt of {len(prompt)}"
+    assert_greedy_matches_reference(outputs, batch, reference, greedy_reference,
+                                    GREEDY.max_tokens, name)
     kv_free(llm)
 
 

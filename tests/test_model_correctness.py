@@ -12,21 +12,11 @@ import random
 
 import pytest
 
+from conftest_models import TINY_VARIANTS, assert_greedy_matches_reference
 from conveyor import LLM, SamplingParams
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-# Tiny models: (name, architecture, config overrides).
-TINY_VARIANTS = [
-    ("llama", "llama", {}),
-    ("llama-gqa", "llama", {"num_attention_heads": 8, "num_key_value_heads": 2,
-                            "head_dim": 8}),
-    ("llama-tied", "llama", {"tie_word_embeddings": True}),
-    ("qwen2", "qwen2", {}),
-    ("qwen3", "qwen3", {"num_key_value_heads": 2}),
-]
-
 
 def _random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     """A handful of token-id prompts: 1 token, short, one spanning several KV blocks."""
@@ -45,11 +35,8 @@ def test_tiny_model_greedy_matches_transformers(name, arch, overrides, tiny_mode
               max_model_len=1024, block_size=8)
     prompts = _random_prompts(reference.config.vocab_size)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        expected, _ = greedy_reference(reference, prompt, MAX_TOKENS)
-        assert output.prompt_token_ids == prompt
-        assert output.outputs[0].token_ids == expected, f"{name}: prompt of {len(prompt)}"
-        assert output.outputs[0].finish_reason == "length"
+    assert_greedy_matches_reference(outputs, prompts, reference, greedy_reference, MAX_TOKENS,
+                                    name)
     kv_free(llm)
 
 
