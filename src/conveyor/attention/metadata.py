@@ -19,9 +19,13 @@ class PrefillChunk:
     query_start: int  # offset of its first token in the flattened batch
     query_len: int  # tokens computed this step
     num_computed_tokens: int  # tokens already in the cache before this step (its prefix)
-    # [num_blocks] int64 block table covering the prefix and the chunk; None if no prefix
-    # (then the chunk attends to its own fresh K/V only).
+    # [num_blocks] int64 block table covering the prefix and the chunk; None if no prefix and
+    # no generated rows (then the chunk attends to its own fresh K/V only).
     block_table: torch.Tensor | None
+    # The chunk's last rows that are generated tokens, recomputed after a recompute
+    # preemption: they attend as decodes (the decode kernel over the cache), as when they
+    # were first computed, so preemption does not change their outputs.
+    generated_rows: int = 0
 
 
 @dataclass

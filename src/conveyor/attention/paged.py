@@ -6,7 +6,8 @@ are written into their slots (``block_id * block_size + offset``) for the whole 
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
 one: causal inside the chunk, full over the cached prefix (gathered block by block), with
-``ops.prefill_attention`` (C++, AMX tiles) in bf16 on CPUs with AMX, else torch's SDPA. A
+``ops.prefill_attention`` (C++, AMX tiles or AVX512-BF16) in bf16, else torch's SDPA; a
+chunk's generated tokens recomputed after a preemption attend as decodes. A
 decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
-from conveyor.ops import amx_available, reference
+from conveyor.ops import prefill_attention_available, reference
 from conveyor.ops.reference import gather_kv
 
 
@@ -39,18 +40,35 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
-    tiles = _amx_prefill(ops, q)
+    kernel = _kernel_prefill(ops, q)
     for chunk in meta.prefills:
-        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale, tiles)
+        prompt = chunk.query_len - chunk.generated_rows
+        rows = slice(chunk.query_start, chunk.query_start + prompt)
+        if prompt:
+            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale, kernel)
+        if chunk.generated_rows:
+            gen = slice(rows.stop, chunk.query_start + chunk.query_len)
+            out[gen] = _recomputed_decodes(ops, q[gen], kv_cache, chunk, prompt, scale)
     return out
 
 
-def _amx_prefill(ops: Any, q: torch.Tensor) -> bool:
-    """Whether prefill chunks take ``ops.prefill_attention`` (C++, AMX tiles: bf16 on CPUs
-    with AMX, head_dim a multiple of 32) rather than SDPA."""
+def _kernel_prefill(ops: Any, q: torch.Tensor) -> bool:
+    """Whether prefill chunks take ``ops.prefill_attention`` (C++: bf16 with AMX tiles or
+    AVX512-BF16, head_dim a multiple of 32) rather than SDPA."""
     return (ops is not reference and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
-            and q.shape[-1] <= 256 and amx_available())
+            and q.shape[-1] <= 256 and prefill_attention_available())
+
+
+def _recomputed_decodes(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
+                        first: int, scale: float) -> torch.Tensor:
+    """Generated tokens recomputed in a prefill chunk (rows from ``first``), each attending
+    as the decode it once was: the decode kernel over its context in the cache."""
+    assert chunk.block_table is not None
+    n = q.shape[0]
+    tables = chunk.block_table.unsqueeze(0).expand(n, -1).contiguous()
+    start = chunk.num_computed_tokens + first + 1
+    lens = torch.arange(start, start + n, dtype=torch.int64, device=q.device)
+    return ops.decode_attention(q, kv_cache, tables, lens, scale)
 
 
 def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -61,11 +79,11 @@ def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             chunk: PrefillChunk, scale: float, tiles: bool) -> torch.Tensor:
-    if tiles:
+             chunk: PrefillChunk, scale: float, kernel: bool) -> torch.Tensor:
+    if kernel:
         if chunk.block_table is not None:  # the prefix's K/V (and the chunk's) from the cache
             kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)
-            keys = chunk.num_computed_tokens + chunk.query_len
+            keys = chunk.num_computed_tokens + q.shape[0]
             k, v = kh[0, :, :keys].transpose(0, 1), vh[0, :, :keys].transpose(0, 1)
         return torch.ops.conveyor.prefill_attention(q, k, v, k.shape[0] - q.shape[0], scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
@@ -77,7 +95,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
         kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)
         # Query i sits at position num_computed + i and sees context positions <= that
         # (which also hides the unwritten tail of the last block).
-        q_pos = torch.arange(chunk.query_len, device=q.device) + chunk.num_computed_tokens
+        q_pos = torch.arange(q.shape[0], device=q.device) + chunk.num_computed_tokens
         k_pos = torch.arange(kh.shape[2], device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,

@@ -8,27 +8,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.ops import reference
+from conveyor.ops import dot_kernels_available, reference
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with W reordered once into oneDNN's blocked layout (CPU only).
+    """``y = x W^T + b`` with W laid out once for the CPU's matmul kernel (CPU only).
 
-    torch's plain ``F.linear`` re-reads the ``[out, in]`` weight in its stored layout every
-    call; the pre-packed weight is what oneDNN's GEMM wants, which makes the small-batch
-    matmuls of a decode step ~1.4x faster on AVX-512/AMX CPUs with bit-identical bf16 results.
-
-    With ``use_blocks`` it also holds the weight's GGUF blocks; batches of up to
-    ``quantized_linear_max_rows`` rows then read those (``ops.quantized_linear``, AMX), which
-    gives the same bits from a third to half of the bytes.
+    - CPUs with AVX512-BF16 but no AMX, bf16 weights: pair tiles for ``ops.dot_linear``
+      (``csrc/dot_linear.cpp``), one kernel for every batch size, so a row's result never
+      depends on the batch; with ``use_blocks`` it reads the weight's GGUF blocks instead, at
+      every batch size, for the same bits.
+    - Elsewhere: oneDNN's blocked layout. torch's plain ``F.linear`` re-reads the ``[out, in]``
+      weight in its stored layout every call; the pre-packed weight is what oneDNN's GEMM
+      wants, which makes the small-batch matmuls of a decode step ~1.4x faster with
+      bit-identical bf16 results. With ``use_blocks`` (AMX), batches of up to
+      ``quantized_linear_max_rows`` rows read the GGUF blocks (``ops.quantized_linear``), which
+      gives oneDNN's bits from a third to half of the bytes.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        # The packed tensor is opaque (mkldnn layout): a plain attribute, not a parameter.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.dot = dot_matmuls(weight)
+        # Either layout is opaque to torch (pair tiles, or mkldnn): a plain attribute, not a
+        # parameter. C++ `linear` picks the kernel by it.
+        self.packed = (torch.ops.conveyor.pack_dot_weight(weight.detach()) if self.dot
+                       else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         self.bias = None if bias is None else bias.detach()
         self.blocks: torch.Tensor | None = None  # from ops.pack_block_weights
 
@@ -37,12 +43,14 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:  # C++ picks the blocks or the packed weight by batch size
+        if self.blocks is not None or self.dot:  # C++ picks the kernel and the weight's form
             return torch.ops.conveyor.linear(x, self.packed, self.blocks, self.bias)
         return self.dense(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul on the bf16 (or float) weight, whatever the batch size."""
+        if self.dot:
+            return torch.ops.conveyor.dot_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def decode_weight_bytes(self) -> int:
@@ -52,17 +60,32 @@ class PackedLinear(nn.Module):
         return self.out_features * self.in_features * self.dtype.itemsize
 
     def use_blocks(self, blocks: torch.Tensor) -> bool:
-        """Read ``blocks`` (``ops.pack_block_weights`` of this weight's GGUF blocks) for small
-        batches, if they give exactly this matmul's results: checked here at 1, 13 and the
-        most rows they take, on random inputs. False (and unchanged) otherwise."""
+        """Read ``blocks`` (``ops.pack_block_weights`` of this weight's GGUF blocks) where the
+        kernels can (every batch on the dot kernels; up to ``quantized_linear_max_rows`` rows
+        with AMX), if they give exactly this matmul's results: checked here on random inputs
+        at 1, 13, the AMX kernel's most rows and (dot kernels) a prefill-sized batch. False
+        (and unchanged) otherwise."""
         ops: Any = torch.ops.conveyor
         gen = torch.Generator().manual_seed(0)
-        for rows in sorted({1, 13, ops.quantized_linear_max_rows()}):
+        max_rows = ops.quantized_linear_max_rows()
+        for rows in sorted({1, 13, max_rows} | ({300} if self.dot else set())):
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-            if not torch.equal(ops.quantized_linear(x, blocks, self.bias), self.dense(x)):
+            got = (ops.dot_linear(x, blocks, self.bias) if self.dot
+                   else ops.quantized_linear(x, blocks, self.bias))
+            if not torch.equal(got, self.dense(x)):
                 return False
         self.blocks = blocks
         return True
+
+
+def dot_matmuls(weight: torch.Tensor) -> bool:
+    """Whether this weight's matmuls run the AVX512-BF16 dot kernels (``ops.dot_linear``): a
+    bf16 weight with rows a multiple of 16 and an even number of inputs, on a CPU whose
+    kernels were built with AVX512-BF16 and that has no AMX (AMX keeps oneDNN, with which
+    its block kernels agree bit for bit)."""
+    out_features, in_features = weight.shape
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and out_features % 16 == 0 and in_features % 2 == 0 and dot_kernels_available())
 
 
 def can_pack_linears(device: torch.device) -> bool:

@@ -19,7 +19,7 @@ from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
-from conveyor.ops import amx_available, for_device, reference
+from conveyor.ops import amx_available, dot_kernels_available, for_device, reference
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +234,13 @@ class CausalLM(nn.Module):
 
     def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
         """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
-        which small batches then read in place (``PackedLinear.use_blocks``). Needs bf16
-        weights, the C++ kernels and AMX; a matmul whose parts are not all blocks of one
+        which the kernels then read in place (``PackedLinear.use_blocks``: small batches with
+        AMX, every batch with the AVX512-BF16 dot kernels). Needs bf16 weights and the C++
+        kernels with one of the two; a matmul whose parts are not all blocks of one
         supported type keeps its bf16 weight. Returns how many matmuls took their blocks."""
         ops: Any = torch.ops.conveyor
         if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not amx_available()):
+                or not (amx_available() or dot_kernels_available())):
             return 0
         parts: list[tuple[Any, list[str]]] = [
             (getattr(getattr(layer, owner), ours),

@@ -178,11 +178,12 @@ class ModelRunner:
             table = np.asarray(s.block_ids)
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
+            generated = max(0, end - max(start, self.prompt_lens[s.request_id]))
             table_t = None
-            if start > 0:
+            if start > 0 or generated:
                 table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
             prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
-                                         start, table_t))
+                                         start, table_t, generated))
         pos_parts.insert(0, np.array(decode_pos, dtype=np.int64))
         slot_parts.insert(0, np.array(decode_slots, dtype=np.int64))
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)

@@ -1107,11 +1107,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
 
-// The same matmul, from the weight's GGUF blocks when it has them and the batch is small
-// (quant_linear.cpp: bit-identical, fewer bytes read); larger batches are compute-bound and
-// run oneDNN on the bf16 weights.
+// The matmul of a layer's weight, by the weight's layout. oneDNN-packed (MkldnnCPU): from the
+// GGUF blocks when it has them and the batch is small (quant_linear.cpp, AMX: bit-identical,
+// fewer bytes read), else oneDNN, whose larger batches are compute-bound. Pair tiles
+// (pack_dot_weight; CPUs with AVX512-BF16 and no AMX): dot_linear at every batch size, from
+// the blocks when it has them, so a row's result never depends on the batch (dot_linear.cpp).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& b) {
+  if (!packed.is_mkldnn()) return conveyor::dot_linear(x, blocks.has_value() ? *blocks : packed, b);
   if (blocks.has_value() && x.size(0) >= 1 && x.size(0) <= conveyor::kQuantizedMaxRows)
     return conveyor::quantized_linear(x, *blocks, b);
   return packed_linear(x, packed, b);

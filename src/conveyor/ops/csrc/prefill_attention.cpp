@@ -1,4 +1,5 @@
-// Causal attention of a prefill chunk with AMX tiles (bf16, head_dim a multiple of 32).
+// Causal attention of a prefill chunk (bf16, head_dim a multiple of 32): with AMX tiles, or
+// with AVX512-BF16's vdpbf16ps where the CPU has no AMX.
 //
 // torch's CPU flash-attention kernel splits a prompt of a few hundred tokens into many small
 // GEMM calls whose fixed cost dominates: ~0.4 ms per prompt and layer for 186 tokens here,
@@ -10,6 +11,11 @@
 // Key j is visible to query i when j <= offset + i (offset: the cached prefix before the
 // chunk, whose keys come first in k and v). K and V are packed once per KV head into the tile
 // layouts (pairs of bf16 per 32-bit word along the product's inner dimension).
+// Without AMX the same passes run on those layouts with vdpbf16ps: a score sums its query's
+// dim pairs in order in one float32 lane (16 keys a vector), an output its key pairs in order
+// (16 dims a vector). Either way every value of a row is computed by the same operations in
+// the same order whatever chunk or 16-row group the row is in (keys a row does not see add
+// exact zeros), so a prompt's outputs do not depend on how it was chunked.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,9 +31,13 @@
 #include "simd_math.h"
 
 namespace conveyor {
+
+// Built with AVX512-BF16 (AMX tiles are used too where the CPU grants them).
+bool prefill_attention_available();
+
 namespace {
 
-#ifdef CONVEYOR_AMX
+#ifdef CONVEYOR_AVX512BF16
 
 // v [keys, d] -> per 32 keys and 16 dims, [16 key pairs][16 dims] words (the low half the
 // even key): the second operand of O = P V. Keys past the end are zero.
@@ -73,7 +83,98 @@ float softmax_row(const float* s, uint16_t* p, int64_t n, int64_t width, float s
   return _mm512_reduce_add_ps(sum);
 }
 
-#endif  // CONVEYOR_AMX
+// Scores of a 16-row group against key block kb: s[i * width + kb * 16 + j] = q_i . k_j.
+void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kh, int64_t key_blocks,
+                  int64_t kb, float* s, int64_t width, bool tiles) {
+#ifdef CONVEYOR_AMX
+  if (tiles) {
+    _tile_zero(2);
+    for (int64_t c = 0; c < d / 32; ++c) {
+      _tile_loadd(0, qbuf + c * 32, d * 2);
+      _tile_loadd(1, kh + (c * key_blocks + kb) * 256, 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, s + kb * 16, width * 4);
+    return;
+  }
+#endif
+  const auto* q = reinterpret_cast<const uint32_t*>(qbuf);
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < d / 2; ++p) {
+    const __m512bh keys =
+        (__m512bh)_mm512_loadu_si512(kh + ((p / 16) * key_blocks + kb) * 256 + (p % 16) * 16);
+    for (int i = 0; i < 16; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], keys, (__m512bh)_mm512_set1_epi32(
+                                                  static_cast<int>(q[i * (d / 2) + p])));
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(s + i * width + kb * 16, acc[i]);
+}
+
+#ifdef CONVEYOR_AMX
+// o[16][d] = P V over the first `pairs` pair blocks of keys, with tiles.
+void values_tiles(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d,
+                  int64_t pairs, float* o) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {  // 64 dims (4 tiles) at a time
+    const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t pb = 0; pb < pairs; ++pb) {
+      _tile_loadd(0, p + pb * 32, width * 2);
+      const uint32_t* vb = vh + (pb * (d / 16) + d0 / 16) * 256;
+      _tile_loadd(1, vb, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      if (tiles > 1) {
+        _tile_loadd(1, vb + 256, 64);
+        _tile_dpbf16ps(5, 0, 1);
+      }
+      if (tiles > 2) {
+        _tile_loadd(1, vb + 512, 64);
+        _tile_dpbf16ps(6, 0, 1);
+      }
+      if (tiles > 3) {
+        _tile_loadd(1, vb + 768, 64);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    _tile_stored(4, o + d0, d * 4);
+    if (tiles > 1) _tile_stored(5, o + d0 + 16, d * 4);
+    if (tiles > 2) _tile_stored(6, o + d0 + 32, d * 4);
+    if (tiles > 3) _tile_stored(7, o + d0 + 48, d * 4);
+  }
+}
+#endif
+
+// o rows [0, rows) of P V over the first `pairs` pair blocks of keys, with vdpbf16ps: 4 rows
+// x 64 dims of sums at a time, each adding its key pairs in order.
+void values_dp(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d, int64_t pairs,
+               float* o, int64_t rows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4)
+    for (int64_t d0 = 0; d0 < d; d0 += 64) {
+      const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
+      __m512 acc[4][4];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      for (int64_t pb = 0; pb < pairs; ++pb)
+        for (int64_t pr = 0; pr < 16; ++pr) {
+          __m512bh v[4];
+          for (int64_t t = 0; t < tiles; ++t)
+            v[t] = (__m512bh)_mm512_loadu_si512(vh + ((pb * (d / 16) + d0 / 16 + t) * 16 + pr) * 16);
+          for (int64_t r = 0; r < 4; ++r) {
+            const auto* pw = reinterpret_cast<const uint32_t*>(p + (r0 + r) * width);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[pb * 16 + pr]));
+            for (int64_t t = 0; t < tiles; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[t], w);
+          }
+        }
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t t = 0; t < tiles; ++t)
+          _mm512_storeu_ps(o + (r0 + r) * d + d0 + t * 16, acc[r][t]);
+    }
+}
+
+#endif  // CONVEYOR_AVX512BF16
 
 }  // namespace
 
@@ -81,7 +182,8 @@ float softmax_row(const float* s, uint16_t* p, int64_t n, int64_t width, float s
 // in D; returns [L, H, D].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t offset, double scale) {
-  TORCH_CHECK(amx_available(), "prefill_attention: needs a CPU with AMX-BF16");
+  TORCH_CHECK(prefill_attention_available(),
+              "prefill_attention: needs a CPU with AVX512-BF16 (and kernels built for it)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
   const int64_t len = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t keys = k.size(0), kv_heads = k.size(1);
@@ -100,7 +202,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                   reinterpret_cast<uintptr_t>(k.data_ptr()) % 4 == 0,
               "prefill_attention: k's rows must start on 4-byte boundaries");
   at::Tensor out = at::empty({len, heads, d}, q.options());
-#ifdef CONVEYOR_AMX
+#ifdef CONVEYOR_AVX512BF16
+  const bool tiles = amx_available();
   const int64_t key_blocks = (keys + 15) / 16, pair_blocks = (keys + 31) / 32;
   const int64_t width = pair_blocks * 32;  // scores and weights per row, padded
   const int64_t packed_k = key_blocks * (d / 2) * 16, packed_v = pair_blocks * (d / 16) * 256;
@@ -123,7 +226,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   auto* od = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, heads * q_blocks, 1, [&](int64_t w0, int64_t w1) {
     const FlushDenormals flush;
-    load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
+#ifdef CONVEYOR_AMX
+    if (tiles) load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
+#endif
     std::vector<float> s(static_cast<size_t>(16 * width));
     std::vector<uint16_t> p(static_cast<size_t>(16 * width));
     alignas(64) uint16_t qbuf[16 * 256];
@@ -141,15 +246,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
           std::memset(qbuf + i * d, 0, d * 2);
       }
       const int64_t visible = offset + q0 + rows;  // keys the last row sees
-      for (int64_t kb = 0; kb * 16 < visible; ++kb) {  // S = Q K^T
-        _tile_zero(2);
-        for (int64_t c = 0; c < d / 32; ++c) {
-          _tile_loadd(0, qbuf + c * 32, d * 2);
-          _tile_loadd(1, kh + (c * key_blocks + kb) * 256, 64);
-          _tile_dpbf16ps(2, 0, 1);
-        }
-        _tile_stored(2, s.data() + kb * 16, width * 4);
-      }
+      for (int64_t kb = 0; kb * 16 < visible; ++kb)  // S = Q K^T
+        scores_block(qbuf, d, kh, key_blocks, kb, s.data(), width, tiles);
       const int64_t used = (visible + 31) / 32 * 32;  // weights P V reads per row
       for (int64_t i = 0; i < 16; ++i) {
         if (i < rows)
@@ -158,35 +256,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         else
           std::memset(p.data() + i * width, 0, used * 2);
       }
-      for (int64_t d0 = 0; d0 < d; d0 += 64) {  // O = P V, 64 dims (4 tiles) at a time
-        const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t pb = 0; pb * 32 < visible; ++pb) {
-          _tile_loadd(0, p.data() + pb * 32, width * 2);
-          const uint32_t* vb = vh + (pb * (d / 16) + d0 / 16) * 256;
-          _tile_loadd(1, vb, 64);
-          _tile_dpbf16ps(4, 0, 1);
-          if (tiles > 1) {
-            _tile_loadd(1, vb + 256, 64);
-            _tile_dpbf16ps(5, 0, 1);
-          }
-          if (tiles > 2) {
-            _tile_loadd(1, vb + 512, 64);
-            _tile_dpbf16ps(6, 0, 1);
-          }
-          if (tiles > 3) {
-            _tile_loadd(1, vb + 768, 64);
-            _tile_dpbf16ps(7, 0, 1);
-          }
-        }
-        _tile_stored(4, o + d0, d * 4);
-        if (tiles > 1) _tile_stored(5, o + d0 + 16, d * 4);
-        if (tiles > 2) _tile_stored(6, o + d0 + 32, d * 4);
-        if (tiles > 3) _tile_stored(7, o + d0 + 48, d * 4);
-      }
+#ifdef CONVEYOR_AMX
+      if (tiles)
+        values_tiles(p.data(), width, vh, d, used / 32, o);
+      else
+#endif
+        values_dp(p.data(), width, vh, d, used / 32, o, rows);
       for (int64_t i = 0; i < rows; ++i) {
         const __m512 inv = _mm512_set1_ps(1.f / sums[i]);
         at::BFloat16* dst = od + ((q0 + i) * heads + h) * d;
@@ -196,15 +271,26 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                                   _mm512_loadu_ps(o + i * d + c), inv)));
       }
     }
-    _tile_release();
+#ifdef CONVEYOR_AMX
+    if (tiles) _tile_release();
+#endif
   });
 #endif
   return out;
 }
 
+bool prefill_attention_available() {
+#ifdef CONVEYOR_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("prefill_attention_available() -> bool", &conveyor::prefill_attention_available);
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int offset, float scale) -> Tensor",
         &conveyor::prefill_attention);
 }

@@ -7,18 +7,7 @@
 // in registers, and multiply them with AMX tiles in the same order oneDNN's AMX kernel does,
 // so the results are bit-identical to it (checked at load on every weight, and in the tests).
 //
-// Dequantization reproduces gguf-py's numpy (float32, no fused multiply-add): Q4_0 d*(q-8),
-// Q4_1 d*q+m, Q8_0 d*q, then float32 -> bf16 rounded to nearest even as torch's copy does
-// (vcvtne2ps2bf16 also flushes float32 denormals, which torch keeps: the load-time check
-// would catch a weight where that mattered).
-// For the 4-bit types each row's 16 possible values are computed once per block and its 32
-// weights looked up with one vpermw: ~6 instructions per row and block.
-//
-// Layout (pack_block_weights): for each 16 output rows and each 32-input block, one record:
-//   Q4_0: q[8 row pairs][32 bytes] (nibbles of two rows), d[16] fp16      = 288 bytes
-//   Q4_1: q[8][32], d[16] fp16, m[16] fp16                                = 320 bytes
-//   Q8_0: q[16 rows][32] int8, d[16] fp16                                 = 544 bytes
-// records ordered by row tile, then block: a task streams one contiguous run.
+// Dequantization and the packed layout: gguf_blocks.h.
 //
 // The product is computed transposed, C^T = W x^T: the weight tile is AMX's first operand
 // (16 rows x 32 inputs, as dequantized), x^T its second (pairs of inputs x 16 tokens, packed
@@ -27,6 +16,7 @@
 #include "quant_linear.h"
 
 #include "amx.h"
+#include "gguf_blocks.h"
 #include "simd_math.h"
 
 #include <ATen/Parallel.h>
@@ -45,31 +35,6 @@
 
 namespace conveyor {
 namespace {
-
-// GGML type ids of the formats we read.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-
-struct BlockFormat {
-  int64_t block_bytes;   // one GGUF block of 32 weights
-  int64_t record_bytes;  // 16 rows x one block, packed
-};
-
-BlockFormat block_format(int64_t type) {
-  switch (type) {
-    case kQ4_0: return {18, 288};
-    case kQ4_1: return {20, 320};
-    case kQ8_0: return {34, 544};
-    default: TORCH_CHECK(false, "pack_block_weights: GGML type ", type,
-                         " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
-  }
-}
-
-int64_t type_of_record(int64_t record_bytes) {
-  for (int64_t type : {kQ4_0, kQ4_1, kQ8_0})
-    if (block_format(type).record_bytes == record_bytes) return type;
-  TORCH_CHECK(false, "quantized_linear: w is not from pack_block_weights (", record_bytes,
-              "-byte records)");
-}
 
 // raw: uint8 [N, K/32, block bytes], GGUF blocks in row order -> uint8 [N/16, K/32, record].
 at::Tensor pack_block_weights(const at::Tensor& raw, int64_t type) {
@@ -119,56 +84,6 @@ bool request_tile_registers() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// A float32 product as numpy computes it, kept apart from a following sum: the empty asm
-// hides that the value is a product, so the compiler cannot fuse the two into one rounding.
-inline __m512 unfused(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
-
-inline void store_bf16x32(uint16_t* dst, __m512 lo, __m512 hi) {
-  _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
-// One record -> the weight tile: 16 rows of 32 bf16 values.
-template <int64_t Type>
-inline void dequantize_record(const uint8_t* rec, uint16_t* tile) {
-  alignas(64) float d[16], m[16];
-  if constexpr (Type == kQ8_0) {
-    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512))));
-    for (int i = 0; i < 16; ++i) {
-      const uint8_t* q = rec + i * 32;
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
-      store_bf16x32(tile + i * 32, _mm512_mul_ps(lo, _mm512_set1_ps(d[i])),
-                    _mm512_mul_ps(hi, _mm512_set1_ps(d[i])));
-    }
-  } else {
-    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256))));
-    if constexpr (Type == kQ4_1)
-      _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 288))));
-    // The 16 values a nibble can stand for, as floats: q - 8 (Q4_0) or q (Q4_1).
-    const __m512 levels = Type == kQ4_0
-        ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int i = 0; i < 16; i += 2) {
-      // Rows i and i + 1 share 32 bytes: weight j of row i in byte j's low nibble, of row
-      // i + 1 in its high nibble (pack_block_weights). As 16-bit words, a row's indices are
-      // the words or the words >> 4; vpermw reads 5 index bits, so row i's indices carry
-      // row i + 1's lowest bit as bit 4, and the table holds its 16 values twice.
-      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(rec + i * 16)));
-      const __m512i index[2] = {words, _mm512_srli_epi16(words, 4)};
-      for (int r = 0; r < 2; ++r) {
-        __m512 values = _mm512_mul_ps(levels, _mm512_set1_ps(d[i + r]));
-        if constexpr (Type == kQ4_1) values = _mm512_add_ps(unfused(values), _mm512_set1_ps(m[i + r]));
-        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
-        _mm512_store_si512(tile + (i + r) * 32, _mm512_permutexvar_epi16(index[r], table));
-      }
-    }
-  }
-}
-
 // x [M, K] bf16 -> x^T tiles: for each 32-input block and 16-token tile, [16 pairs][16 tokens]
 // of 32-bit (two bf16) words; tokens past M are zero.
 void pack_tokens(uint32_t* out, const at::Tensor& x, int64_t token_tiles) {
@@ -209,7 +124,7 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
         for (int64_t line = 0; line < record; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         // Two tile buffers: the next record's stores need not wait for this tile's load.
         uint16_t* tile = tiles[b % 2];
-        dequantize_record<Type>(rec, tile);
+        dequantize_record<Type>(rec, tile, 32);
         _tile_loadd(0, tile, 64);
         const uint32_t* xb = xt + b * TokenTiles * 256;
         CONVEYOR_ACCUMULATE(2, 1, xb);
@@ -271,7 +186,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
               "quantized_linear: needs a CPU with AMX-BF16 (and kernels built for it)");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "quantized_linear: w must come from pack_block_weights");
-  const int64_t type = type_of_record(w.size(2));
+  const int64_t type = type_of_record(w.size(2), "quantized_linear");
   const int64_t n = w.size(0) * 16, blocks = w.size(1), k = blocks * 32;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
               "quantized_linear: x must be bf16 [rows, ", k, "], got ", x.sizes(), " ",

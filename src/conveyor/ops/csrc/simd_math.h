@@ -7,6 +7,12 @@
 #include <immintrin.h>
 #endif
 
+// The kernels that multiply bf16 pairs with vdpbf16ps (dot_linear.cpp, and prefill attention
+// without AMX) need AVX512-BF16 (with BW for the word shuffles).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CONVEYOR_AVX512BF16 1
+#endif
+
 namespace conveyor {
 
 #ifdef __AVX512F__

@@ -1,0 +1,44 @@
+"""GGUF blocks of random weights and what the loader makes of them, for the matmul kernels'
+tests (test_amx.py, test_dot_kernels.py), and the masked-SDPA oracle of prefill attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from conveyor.model.gguf_loader import BLOCK_BYTES
+
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """GGUF blocks of random weights: uint8 [rows, cols / 32, block bytes]."""
+    rng = np.random.default_rng(seed)
+    nbytes = BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // 32, nbytes), dtype=np.uint8)
+    # Scales of realistic size (random bytes would make NaN and inf fp16 scales).
+    raw[..., 0:2] = rng.uniform(1e-3, 2e-2, (rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    if qtype == GGMLQuantizationType.Q4_1:  # m, the block's minimum
+        raw[..., 2:4] = rng.uniform(-0.2, 0.0, (rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
+def bf16_weight(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """What the loader makes of the blocks: gguf-py's float32 values, rounded to bf16."""
+    rows = raw.shape[0]
+    values = dequantize(raw.reshape(rows, -1), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    """SDPA in `dtype` with the prefill mask: query i sees keys <= offset + i."""
+    pos_q = torch.arange(q.shape[0]) + offset
+    mask = torch.arange(k.shape[0])[None, :] <= pos_q[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).to(dtype), k.transpose(0, 1).unsqueeze(0).to(dtype),
+        v.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1).float()

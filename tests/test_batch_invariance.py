@@ -1,0 +1,90 @@
+"""Batch invariance of the default model in the default dtype, on whatever CPU runs the tests
+(bf16 with the AMX or the AVX512-BF16 kernels where the CPU has them, float32 elsewhere).
+
+A request's greedy output must be the same bits alone, in a batch, chunked next to running
+decodes, under static scheduling, with prefix-cache hits or without prefix caching, and after
+recompute preemptions: the matmul kernels give a row the same result whatever else shares the
+call, prefill attention gives a query row the same result whatever its chunk, and recomputed
+generated tokens attend as the decodes they were. Every comparison the project prints (static
+against continuous, chunk sizes, policies) rests on this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest_models import default_gguf
+from conveyor import LLM, SamplingParams
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle on a "
+    "stormy night, and what she does next. Make it vivid, with the sea, the wind and the light.",
+    "The capital of France is",
+    "def fib(n):",
+    "1, 2, 3,",
+    "Explain why the sky is blue in two sentences.",
+]
+# The sampled tokens' logprobs are compared too: equal to the last bit, they show the logits
+# are the same bits, where equal tokens alone would hide most differences.
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+Output = list[tuple[int, float]]  # (token id, its logprob) per generated token
+
+
+def _tokens(llm: LLM, prompts: list[str]) -> list[Output]:
+    outputs = [o.outputs[0] for o in llm.generate(prompts, PARAMS)]
+    return [[(t, lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [], strict=True)]
+            for o in outputs]
+
+
+def _engine(**engine_args: Any) -> LLM:
+    default_gguf()  # skips the test when the model package is not installed
+    return LLM(**{"kv_cache_memory": "32MiB", "max_model_len": 512, **engine_args})
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[Output], int]:
+    """Each prompt's output on its own (its prompt in one prefill, then plain decodes), and
+    the bytes of a KV block."""
+    llm = _engine()
+    layout = llm.engine.kv_layout
+    return [_tokens(llm, [p])[0] for p in PROMPTS], layout.bytes_per_token * layout.block_size
+
+
+@pytest.fixture(scope="module")
+def alone(reference) -> list[Output]:
+    return reference[0]
+
+
+def test_batched_and_prefix_cached_outputs_equal_each_alone(alone, kv_free) -> None:
+    llm = _engine()
+    assert _tokens(llm, PROMPTS) == alone
+    hits_before = llm.stats()["prefix_cache_hits"]
+    assert _tokens(llm, PROMPTS[::-1]) == alone[::-1]  # the long prompt's blocks are cached
+    assert llm.stats()["prefix_cache_hits"] > hits_before
+    kv_free(llm)
+
+
+def test_chunked_outputs_without_prefix_caching_equal_each_alone(alone, kv_free) -> None:
+    # 16 tokens a step: the long prompt is cut into chunks next to running decodes.
+    llm = _engine(max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _tokens(llm, PROMPTS) == alone
+    assert llm.stats()["num_steps"] > 24 + 40 // 16
+    kv_free(llm)
+
+
+def test_static_scheduling_gives_the_continuous_outputs(alone, kv_free) -> None:
+    llm = _engine(scheduling="static", max_num_seqs=2)
+    assert _tokens(llm, PROMPTS) == alone
+    kv_free(llm)
+
+
+def test_recompute_preemption_keeps_the_outputs(reference, kv_free) -> None:
+    """A KV cache of 8 blocks of 16 tokens holds two or three of these requests at once: the
+    others are preempted and recomputed, their generated tokens through the decode kernel."""
+    alone, bytes_per_block = reference
+    llm = _engine(kv_cache_memory=8 * bytes_per_block, max_model_len=128, preemption="recompute")
+    assert _tokens(llm, PROMPTS) == alone
+    assert llm.stats()["num_preemptions"] > 0
+    kv_free(llm)

@@ -1,0 +1,123 @@
+"""The AVX512-BF16 kernels (CPUs without AMX): matmuls on pair tiles or GGUF blocks
+(ops/csrc/dot_linear.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
+AMX tiles where the CPU has them and vdpbf16ps elsewhere).
+
+What makes the engine batch-invariant on such CPUs is tested here at the kernel level: a row's
+matmul result does not depend on how many rows share the call, and the blocks give exactly the
+bf16 weights' results; a query row's attention does not depend on its chunk. The kernels need
+a CPU with AVX512-BF16; elsewhere the engine runs float32 and these tests skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks
+from conveyor import ops
+
+
+@pytest.fixture(scope="module")
+def kops():
+    assert ops.load_cpu_kernels(), "the C++ kernels must build on this machine (g++ and ninja)"
+    if not torch.ops.conveyor.dot_linear_available():
+        pytest.skip("the dot kernels need a CPU with AVX512-BF16")
+    return torch.ops.conveyor
+
+
+@pytest.mark.parametrize("out_features,in_features", [(80, 576), (48, 70), (576, 1536), (16, 2)])
+def test_dot_linear_is_as_close_to_float32_as_onednn(kops, out_features, in_features) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(70, in_features, generator=gen).to(torch.bfloat16)
+    exact = x.float() @ w.float().T + bias.float()
+    onednn_error = (torch.nn.functional.linear(x, w, bias).float() - exact).abs().max()
+    got = kops.dot_linear(x, kops.pack_dot_weight(w), bias)
+    assert got.shape == (70, out_features) and got.dtype == torch.bfloat16
+    assert (got.float() - exact).abs().max() <= 2 * onednn_error + 1e-6
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_weights_form(kops, qtype) -> None:
+    """Blocks and bf16 pair tiles give the same bits, and a row the same bits alone, in a
+    decode-sized batch or in a prefill-sized one (over 256 rows: two token passes)."""
+    out_features, in_features = 80, 1536  # 5 pair tiles: one full task of 4 and a partial one
+    raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
+    weight = bf16_weight(raw, qtype)
+    blocks = kops.pack_block_weights(torch.from_numpy(raw), int(qtype))
+    tiles = kops.pack_dot_weight(weight)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    together = kops.dot_linear(x, tiles, bias)
+    assert torch.equal(kops.dot_linear(x, blocks, bias), together)
+    for start, rows in [(0, 1), (7, 1), (3, 2), (10, 5), (40, 64), (1, 299)]:
+        part = slice(start, start + rows)
+        assert torch.equal(kops.dot_linear(x[part], blocks, bias), together[part])
+        assert torch.equal(kops.dot_linear(x[part], tiles, bias), together[part])
+    # ops.linear picks them by the weight's layout: pair tiles are not oneDNN's
+    assert torch.equal(kops.linear(x, tiles, blocks, bias), together)
+
+
+def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kops.pack_dot_weight(torch.zeros(20, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="pack_dot_weight"):
+        kops.dot_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
+                        torch.zeros(16, 64, dtype=torch.bfloat16), None)
+    tiles = kops.pack_dot_weight(torch.zeros(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"x must be bf16 \[rows, 64\]"):
+        kops.dot_linear(torch.zeros(1, 32, dtype=torch.bfloat16), tiles, None)
+
+
+# --- prefill attention -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("length,offset,heads,kv_heads,head_dim", [
+    (1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (300, 0, 9, 3, 64), (40, 100, 9, 3, 64),
+    (33, 5, 4, 4, 128), (17, 0, 6, 2, 32), (16, 16, 2, 1, 96)])
+def test_prefill_attention_is_as_close_to_float32_as_sdpa(kops, length, offset, heads, kv_heads,
+                                                          head_dim) -> None:
+    gen = torch.Generator().manual_seed(length + offset)
+    q = torch.randn(length, heads, head_dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(offset + length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(offset + length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    exact = masked_sdpa(q, k, v, offset, scale, torch.float32)
+    sdpa_error = (masked_sdpa(q, k, v, offset, scale, torch.bfloat16) - exact).abs().max()
+    out = kops.prefill_attention(q, k, v, offset, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert (out.float() - exact).abs().max() <= 2 * sdpa_error + 1e-3
+    # strided views, as the model passes them (q, k, v side by side in one row)
+    qkv = torch.cat([q.flatten(1), k[offset:].flatten(1), v[offset:].flatten(1)], 1)
+    if offset == 0:
+        kv = heads * head_dim
+        views = [qkv[:, :kv], qkv[:, kv:kv + kv_heads * head_dim], qkv[:, kv + kv_heads * head_dim:]]
+        qs, ks, vs = (t.unflatten(1, (-1, head_dim)) for t in views)
+        assert torch.equal(kops.prefill_attention(qs, ks, vs, 0, scale), out)
+
+
+def test_a_query_rows_attention_does_not_depend_on_its_chunk(kops) -> None:
+    """A 150-token prompt at once, or as chunks of 7, 40 and 103 tokens over its cached prefix:
+    every row's output is the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(150, 9, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(150, 3, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(150, 3, 64, generator=gen).to(torch.bfloat16)
+    whole = kops.prefill_attention(q, k, v, 0, 0.125)
+    start = 0
+    for length in (7, 40, 103):
+        end = start + length
+        part = kops.prefill_attention(q[start:end], k[:end], v[:end], start, 0.125)
+        assert torch.equal(part, whole[start:end])
+        start = end
+
+
+def test_prefill_attention_refuses_bad_shapes(kops) -> None:
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="offset"):
+        kops.prefill_attention(q, q[:3], q[:3], 0, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kops.prefill_attention(q[..., :48], q[..., :48], q[..., :48], 0, 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kops.prefill_attention(q.float(), q.float(), q.float(), 0, 0.125)
