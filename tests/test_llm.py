@@ -238,6 +238,28 @@ def test_prompt_longer_than_max_model_len(default_llm) -> None:
     _still_serves(default_llm)
 
 
+def test_lone_surrogate_is_a_value_error_naming_the_field(default_llm) -> None:
+    # A JSON "\ud800" escape decodes to a lone surrogate, which the Rust tokenizer refuses
+    # with a TypeError; the engine must say which field holds it, as for any bad input.
+    with pytest.raises(ValueError, match=r"^prompt is not valid Unicode"):
+        default_llm.generate(["fine", "abc\ud800def"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"^messages.*not valid Unicode"):
+        default_llm.chat([{"role": "user", "content": "abc\udc00"}],
+                         SamplingParams(max_tokens=2))
+    _still_serves(default_llm)
+
+
+def test_prompt_too_long_to_fit_is_refused_before_tokenizing(default_llm) -> None:
+    engine = default_llm.engine
+    limit = 1024 * engine.tokenizer.max_token_chars  # max_model_len x the longest token
+    # 64 spaces are one token of this vocabulary: a prompt near the limit can still fit.
+    fits = " " * (64 * 1000)
+    assert len(engine.tokenize_prompt(fits)[1]) < 1024 < len(fits) // 16
+    with pytest.raises(ValueError, match=rf"^prompt has {limit + 1} characters"):
+        default_llm.generate("x" * (limit + 1), SamplingParams(max_tokens=2))
+    _still_serves(default_llm)
+
+
 def test_bad_prompt_in_a_batch_queues_nothing(default_llm) -> None:
     good = "Hello there"
     with pytest.raises(ValueError):

@@ -239,8 +239,8 @@ def test_non_streaming_disconnect_aborts(server: ServerProcess):
 _LONG = list(range(100, 100 + MAX_MODEL_LEN))
 BAD_REQUESTS = [
     # (path, body (dict, or raw str), status, param or None)
-    ("/v1/completions", "{not json", 400, None),
-    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", "{not json", 400, "body"),
+    ("/v1/completions", "[1, 2]", 400, "body"),
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),

@@ -161,6 +161,10 @@ class AsyncEngine:
     def check_token_ids(self, ids: list[int], field: str) -> None:
         self.engine.check_token_ids(ids, field)
 
+    def check_prompt_chars(self, text: str, field: str) -> None:
+        """Safe from any thread, like tokenize_prompt."""
+        self.engine.check_prompt_chars(text, field)
+
     @property
     def is_healthy(self) -> bool:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()

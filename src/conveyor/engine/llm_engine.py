@@ -122,7 +122,8 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt)
+            self.check_prompt_chars(prompt, "prompt")
+            return prompt, self.tokenizer.encode(prompt, field="prompt")
         if not isinstance(prompt, list | tuple):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
         ids = list(prompt)
@@ -130,6 +131,18 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         self.check_token_ids(ids, "prompt_token_ids")
         return None, ids
+
+    def check_prompt_chars(self, text: str, field: str) -> None:
+        """ValueError naming `field` when `text` is too long to fit in max_model_len tokens,
+        judged by its length alone: tokenizing megabytes costs seconds of CPU, and a text of
+        more than max_model_len x (characters of the longest token) cannot fit anyway."""
+        max_len = self.scheduler_config.max_model_len
+        token_chars = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+        if len(text) > max_len * token_chars:
+            raise ValueError(
+                f"{field} has {len(text)} characters, more than this model's maximum context "
+                f"length of {max_len} tokens can hold (at most {max_len * token_chars}: "
+                f"{token_chars} characters per token, the longest in its vocabulary)")
 
     def check_token_ids(self, ids: list[int], field: str) -> None:
         vocab = self.model_config.vocab_size

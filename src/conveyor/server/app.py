@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -20,7 +21,14 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server.chat import create_chat_completion, render_prompt
 from conveyor.server.common import DEFAULT_MAX_BODY_BYTES, ServerState, check_model
 from conveyor.server.completions import create_completion
-from conveyor.server.errors import APIError, error_body, install_error_handlers, to_api_error
+from conveyor.server.errors import (
+    BODY_PARAM,
+    APIError,
+    error_body,
+    error_response,
+    install_error_handlers,
+    internal_error,
+)
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -50,6 +58,42 @@ class _BodyTooLarge(StarletteHTTPException):
                          f"the request body is larger than {limit} bytes")
 
 
+class RequestIds:
+    """ASGI middleware, the outermost: a request id on every response (``X-Request-Id``), and
+    any exception the app lets through answered as an opaque 500 naming that id.
+
+    The traceback is logged here, once, under the same id; the exception does not go on to
+    Starlette's error middleware and uvicorn, which would log it again.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope = {**scope, "state": {**scope.get("state", {}), "request_id": request_id}}
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [*message.get("headers", []),
+                           (b"x-request-id", request_id.encode("ascii"))]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            error = internal_error(exc, request_id)
+            if not started:  # else the client sees the connection close mid-body
+                await error_response(error)(scope, _no_receive, send_with_id)
+
+
 class LimitsAndAuth:
     """ASGI middleware: the bearer token (--api-key) and the request body size limit."""
 
@@ -62,14 +106,17 @@ class LimitsAndAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
+        raw_headers = scope.get("headers", [])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
         if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
-            token = headers.get("authorization", "")
-            if not hmac.compare_digest(token.encode(), f"Bearer {self.api_key}".encode()):
+            # Two Authorization headers are refused, not resolved: proxies and frameworks
+            # disagree on which one counts, so accepting either lets a wrong key through.
+            tokens = [v for k, v in raw_headers if k.lower() == b"authorization"]
+            expected = f"Bearer {self.api_key}".encode()
+            if len(tokens) != 1 or not hmac.compare_digest(tokens[0], expected):
                 await self._reject(send, APIError(
-                    HTTPStatus.UNAUTHORIZED, "Incorrect or missing API key: send "
-                    "'Authorization: Bearer <key>'.", code="invalid_api_key"))
+                    HTTPStatus.UNAUTHORIZED, "Incorrect or missing API key: send one "
+                    "'Authorization: Bearer <key>' header.", code="invalid_api_key"))
                 return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -93,12 +140,10 @@ class LimitsAndAuth:
     def _too_large(self) -> APIError:
         return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                         f"the request body is larger than {self.max_body_bytes} bytes",
-                        code="request_too_large")
+                        param=BODY_PARAM, code="request_too_large")
 
     async def _reject(self, send: Send, error: APIError) -> None:
-        response = JSONResponse(error_body(error.message, error.type, error.param, error.code),
-                                status_code=error.status)
-        await response({"type": "http"}, _no_receive, send)
+        await error_response(error)({"type": "http"}, _no_receive, send)
 
 
 def _as_json(scope: Scope) -> Scope:
@@ -132,6 +177,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     install_error_handlers(app)
 
     app.add_middleware(LimitsAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestIds)  # added last: the outermost
     _add_routes(app, state)
     return app
 
@@ -156,8 +202,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        error = to_api_error(engine.dead_error or RuntimeError("the engine is not running"))
-        return JSONResponse(error_body(error.message, "server_error", None, "engine_dead"),
+        # The cause is in the server log (the engine logged it when it failed), not here.
+        return JSONResponse(error_body("the engine is not running", "server_error", None,
+                                       "engine_dead"),
                             status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/version")
@@ -173,11 +220,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if req.messages is not None:
             ids = await asyncio.to_thread(render_prompt, state, req.messages,
                                           req.add_generation_prompt, None)
-        else:
-            if engine.tokenizer is None:
-                raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer")
+        elif engine.tokenizer is None:
+            raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")
+        elif req.prompt is not None:
+            engine.check_prompt_chars(req.prompt, "prompt")  # before tokenizing megabytes
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
-                                          req.add_special_tokens)
+                                          req.add_special_tokens, field="prompt")
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,10 +23,12 @@ from conveyor.server.common import (
     on_stream_error,
     sampling_params,
     sse,
+    stream_usage,
     submit,
     unless_disconnected,
     usage,
 )
+from conveyor.server.errors import request_id_of
 from conveyor.server.logprobs import chat_logprobs
 from conveyor.server.protocol import (
     AssistantMessage,
@@ -45,12 +46,18 @@ from conveyor.server.protocol import (
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token",
                                        "eos_token", "source"})
 
+# How errors about the rendered conversation name it (positions count in the rendered text).
+_RENDERED = "messages, rendered by the chat template,"
+
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: text content parts joined into a string."""
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
+        if data.get("tool_calls"):  # the request's `tools` are refused too (a later issue)
+            raise bad_request(f"messages[{i}]: assistant turns with tool_calls are not "
+                              "supported yet", "messages")
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
@@ -65,13 +72,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                   template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Token ids of the rendered conversation (the template adds any special tokens)."""
+    """Token ids of the rendered conversation (the template adds any special tokens).
+
+    Whatever is wrong with the messages (the template refuses them, the text is not valid
+    Unicode or too long to fit) is a 400 on `messages`.
+    """
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template", "messages")
     kwargs = {k: v for k, v in (template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
-    return tokenizer.encode_chat(template_messages(messages), add_generation_prompt, **kwargs)
+    try:
+        text = tokenizer.apply_chat_template(template_messages(messages),
+                                             add_generation_prompt, **kwargs)
+        state.engine.check_prompt_chars(text, _RENDERED)
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False, field=_RENDERED)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return ids
 
 
 def _check_request(req: ChatCompletionRequest) -> int | None:
@@ -94,20 +112,20 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  raw: Request) -> Response | ChatCompletionResponse:
     check_model(state, req.model)
     num_logprobs = _check_request(req)
+    include_usage = stream_usage(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = sampling_params(req, max_tokens, num_logprobs)
     ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
                                   req.chat_template_kwargs)
     check_context(state, len(ids), max_tokens, "messages")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{request_id_of(raw)}"
     streams = await submit(state, [ids], params, request_id, req)
     num_top = req.top_logprobs or 0
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return EngineStreamingResponse(
             on_stream_error(lambda: _stream(state, request_id, streams[0], num_top,
-                                            include_usage)), streams)
+                                            include_usage), request_id_of(raw)), streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                           logprobs=_logprobs(c, 0, num_top), finish_reason=c.finish_reason,

@@ -23,8 +23,13 @@ from conveyor.server.protocol import PromptTokensDetails, Usage, _SamplingFields
 
 T = TypeVar("T")
 
-# Limits on what one request may ask for (n and logprobs are bounded by SamplingParams).
+# Limits on what one request may ask for (n and logprobs are bounded by SamplingParams; the
+# number of messages by protocol.MAX_MESSAGES_PER_REQUEST).
 MAX_PROMPTS_PER_REQUEST = 64
+# Sequences (prompts x n) one request may ask for: as many as prompts alone, so that `n` does
+# not multiply a request past the bound on prompts (64 x MAX_N = 1,024 sequences from one
+# request would hold the whole queue; vLLM bounds only n).
+MAX_SEQUENCES_PER_REQUEST = MAX_PROMPTS_PER_REQUEST
 MAX_STOP_STRINGS = 16
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -70,6 +75,15 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           skip_special_tokens=req.skip_special_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output)
+
+
+def stream_usage(req: _SamplingFields) -> bool:
+    """Whether a stream ends with a usage chunk; stream_options without stream is a 400, as
+    in vLLM (the client asked for something it will not get)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true",
+                          "stream_options")
+    return req.stream and req.stream_options is not None and req.stream_options.include_usage
 
 
 def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | None,
@@ -123,8 +137,8 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_error(exc: BaseException) -> str:
-    error = to_api_error(exc)
+def sse_error(exc: BaseException, request_id: str) -> str:
+    error = to_api_error(exc, request_id)
     return sse(error_body(error.message, error.type, error.param, error.code))
 
 
@@ -210,7 +224,8 @@ async def collect(stream: RequestStream) -> RequestOutput:
     return final
 
 
-def on_stream_error(make_chunks: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+def on_stream_error(make_chunks: Callable[[], AsyncIterator[str]],
+                    request_id: str) -> AsyncIterator[str]:
     """Chunks from make_chunks(); an error mid-stream becomes an error event, then [DONE]."""
 
     async def chunks() -> AsyncIterator[str]:
@@ -220,7 +235,7 @@ def on_stream_error(make_chunks: Callable[[], AsyncIterator[str]]) -> AsyncItera
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
-            yield sse_error(e)
+            yield sse_error(e, request_id)
         yield SSE_DONE
 
     return chunks()

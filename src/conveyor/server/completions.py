@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.common import (
     MAX_PROMPTS_PER_REQUEST,
+    MAX_SEQUENCES_PER_REQUEST,
     EngineStreamingResponse,
     ServerState,
     bad_request,
@@ -26,10 +26,12 @@ from conveyor.server.common import (
     on_stream_error,
     sampling_params,
     sse,
+    stream_usage,
     submit,
     unless_disconnected,
     usage,
 )
+from conveyor.server.errors import request_id_of
 from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 
@@ -66,14 +68,22 @@ class _Prepared:
     params: SamplingParams
     prompt_ids: list[list[int]]
     echo_texts: list[str] = field(default_factory=list)  # per prompt; "" without echo
+    include_usage: bool = False  # a stream ends with a usage chunk
 
 
-async def _prepare(state: ServerState, req: CompletionRequest) -> _Prepared:
+async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) -> _Prepared:
     check_model(state, req.model)
     _check_unsupported(req)
+    include_usage = stream_usage(req)
     prompts = _prompt_list(req.prompt)
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+        raise bad_request(f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} "
+                          f"sequences (prompts x n), got {len(prompts)} x {params.n}", "n")
     engine = state.engine
+    for p in prompts:  # all of them before tokenizing any (see check_prompt_chars)
+        if isinstance(p, str):
+            engine.check_prompt_chars(p, "prompt")
     encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in prompts])
     for _, ids in encoded:
         check_context(state, len(ids), req.max_tokens, "prompt")
@@ -83,17 +93,18 @@ async def _prepare(state: ServerState, req: CompletionRequest) -> _Prepared:
         echo = [text if text is not None else
                 (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "")
                 for text, ids in encoded]
-    return _Prepared(f"cmpl-{uuid.uuid4().hex}", params, [ids for _, ids in encoded], echo)
+    return _Prepared(f"cmpl-{request_id}", params, [ids for _, ids in encoded], echo,
+                     include_usage)
 
 
 async def create_completion(state: ServerState, req: CompletionRequest,
                             raw: Request) -> Response | CompletionResponse:
-    prep = await _prepare(state, req)
+    prep = await _prepare(state, req, request_id_of(raw))
     streams = await submit(state, prep.prompt_ids, prep.params, prep.request_id, req)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return EngineStreamingResponse(
-            on_stream_error(lambda: _stream(state, prep, streams, include_usage)), streams)
+            on_stream_error(lambda: _stream(state, prep, streams), request_id_of(raw)),
+            streams)
     finals = await unless_disconnected(raw, asyncio.gather(*(collect(s) for s in streams)),
                                        streams)
     choices = [_choice(i * prep.params.n + c.index, c, prep.echo_texts[i] + c.text,
@@ -113,8 +124,8 @@ def _choice(index: int, c: CompletionOutput, text: str, offset: int,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 
-async def _stream(state: ServerState, prep: _Prepared, streams: list[RequestStream],
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state: ServerState, prep: _Prepared,
+                  streams: list[RequestStream]) -> AsyncIterator[str]:
     n = prep.params.n
     num_choices = len(streams) * n
     created = int(time.time())
@@ -148,7 +159,7 @@ async def _stream(state: ServerState, prep: _Prepared, streams: list[RequestStre
             sent_tokens[index] = len(c.token_ids)
             done[index] = c.finish_reason is not None
             yield chunk(choice)
-    if include_usage:
+    if prep.include_usage:
         yield sse(CompletionResponse(id=prep.request_id, created=created,
                                      model=state.model_name, choices=[],
                                      usage=usage([finals[i] for i in sorted(finals)]))

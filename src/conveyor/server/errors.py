@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
-Whatever a client sends maps to a 4xx with a message it can act on; a 5xx means the server
-itself is broken (engine dead: 503) or a bug (500, logged).
+Whatever a client sends maps to a 4xx with a message it can act on, naming the field
+(`param`); a 5xx means the server itself is broken (engine dead: 503) or a bug: a 500 whose
+body says only "internal error" and the request id (never the exception's text, which may
+carry paths or data), its traceback logged once under that id.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _PARAM_NAMES = frozenset({
 })
 
 
+# The `param` of an error in the body as a whole (not JSON, not UTF-8, not an object).
+BODY_PARAM = "body"
 _LEADING_NAME = re.compile(r"['\"]?([a-z_]+)")
 
 
@@ -60,7 +64,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
 
 
-def to_api_error(exc: BaseException) -> APIError:
+def internal_error(exc: BaseException, request_id: str) -> APIError:
+    """The opaque 500 for an unexpected exception; logs its traceback (the one log of it)."""
+    logger.error("internal error (request id %s)", request_id, exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                    f"internal error (request id {request_id})", "InternalServerError")
+
+
+def to_api_error(exc: BaseException, request_id: str) -> APIError:
     """The APIError for an exception the engine or the request handling raised."""
     if isinstance(exc, APIError):
         return exc
@@ -78,9 +89,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStoppedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error",
                         code="shutting_down")
-    logger.error("internal error", exc_info=exc)
-    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal server error: {exc!r}",
-                    "server_error")
+    return internal_error(exc, request_id)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -88,9 +97,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {err.get('msg')}", None
-        where = ".".join(loc) if loc else "body"
-        param = param or (loc[0] if loc else None)
+            return f"the request body is not valid JSON: {err.get('msg')}", BODY_PARAM
+        where = ".".join(loc) if loc else BODY_PARAM
+        param = param or (loc[0] if loc else BODY_PARAM)
         parts.append(f"{where}: {err.get('msg')}")
     return "; ".join(parts[:5]) or "invalid request", param
 
@@ -101,21 +110,44 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     return error_response(bad_request(message, param))
 
 
+def _body_error_message(exc: StarletteHTTPException) -> str:
+    """What was wrong with a body FastAPI could not parse (it says only that it could not)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the request body nests JSON arrays or objects too deeply"
+    return f"the request body could not be read: {exc.detail}"
+
+
 async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.status_code, str(exc.detail), kind,
+    message, param = str(exc.detail), None
+    if exc.status_code == HTTPStatus.BAD_REQUEST:  # only FastAPI's body parsing raises these
+        message, param = _body_error_message(exc), BODY_PARAM
+    return error_response(APIError(exc.status_code, message, kind, param,
                                    headers=getattr(exc, "headers", None)))
 
 
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(to_api_error(exc))
+    return error_response(to_api_error(exc, request_id_of(request)))
+
+
+def request_id_of(request: Request) -> str:
+    """The id RequestIds gave this request (its X-Request-Id header)."""
+    request_id: str = request.state.request_id
+    return request_id
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every failure answers in OpenAI's shape; validation failures are 400, not 422."""
+    """Every expected failure answers in OpenAI's shape; validation failures are 400, not 422.
+
+    `Exception` gets no handler here: Starlette answers one from its outermost middleware and
+    then re-raises it, so uvicorn would log the traceback a second time; `RequestIds` answers
+    unexpected exceptions instead.
+    """
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
-    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError,
-                 Exception):
+    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError):
         app.add_exception_handler(kind, _on_error)

@@ -62,6 +62,14 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None  # not supported
 
 
+# OpenAI's message roles; an unknown one is a 400 that lists these.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+# Messages one request may send: far more than a conversation at these context lengths
+# holds, and cheap to render (~50 ms); a bound keeps a 100,000-message body from costing
+# seconds of CPU (pydantic stops at the bound instead of validating every message).
+MAX_MESSAGES_PER_REQUEST = 2048
+
+
 class TextContentPart(_Request):
     type: str
     text: str | None = None
@@ -72,15 +80,21 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+
+# A conversation: not empty (OpenAI and vLLM refuse that; the model would otherwise generate
+# from a bare assistant prompt up to the whole context), at most MAX_MESSAGES_PER_REQUEST.
+Messages = Annotated[list[ChatMessage],
+                     Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST)]
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: Messages
     max_tokens: Int64 | None = None  # None: up to the context length
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
@@ -96,7 +110,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

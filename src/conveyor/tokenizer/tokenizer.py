@@ -126,6 +126,19 @@ def _token_content(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def check_text(text: str, field: str) -> None:
+    """ValueError naming `field` unless `text` is valid Unicode.
+
+    The Rust tokenizer takes only text that encodes to UTF-8: a lone surrogate ("\\ud800",
+    which a JSON string can carry as an escape) is a TypeError there, not a ValueError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid Unicode text: character {e.start} is "
+                         f"{text[e.start]!r} ({e.reason})") from None
+
+
 class Tokenizer:
     """Encode/decode, special token ids and the chat template of one model."""
 
@@ -140,6 +153,12 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
+        # Characters of the longest vocabulary entry: no token stands for more characters of
+        # text (a byte-level entry spells one character per byte, a sentencepiece entry its
+        # characters or `<0xAB>` for one byte), so a text longer than this times a number of
+        # tokens cannot fit in that many; the engine refuses it without tokenizing it.
+        self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)),
+                                        default=1)
 
     @classmethod
     def from_gguf(cls, reader_or_path: GGUFReader | str) -> Tokenizer:
@@ -216,8 +235,13 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS/EOS only when the model asks for them."""
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               field: str = "text") -> list[int]:
+        """Token ids of `text`; BOS/EOS only when the model asks for them.
+
+        ValueError naming `field` when `text` is not valid Unicode (a lone surrogate).
+        """
+        check_text(text, field)
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
@@ -253,4 +277,5 @@ class Tokenizer:
                     **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes the special tokens)."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False,
+                           field="messages, rendered by the chat template,")
