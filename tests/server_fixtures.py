@@ -35,6 +35,8 @@ class ServerProcess:
     model: str = ""
 
     def log_tail(self, chars: int = 4000) -> str:
+        if not self.log_path:
+            return "(the output goes to a pipe nobody reads)"
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()[-chars:]
 
@@ -50,15 +52,18 @@ class ServerProcess:
             raise AssertionError(f"server did not exit after SIGTERM:\n{self.log_tail()}") from e
 
     def remove_log(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.log_path)
+        if self.log_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
 
-def start_server(*args: str, api_key: str | None = None, setup: str = "") -> ServerProcess:
+def start_server(*args: str, api_key: str | None = None, setup: str = "",
+                 unread_pipe: bool = False) -> ServerProcess:
     """Start `conveyor serve ARGS` and wait until /health answers 200.
 
     `setup`: Python statements the server process runs first (a test's fault injection).
-    """
+    Its output goes to a log file, or with `unread_pipe` to a pipe that nobody reads (once
+    its buffer is full, every write to it blocks)."""
     try:
         from conveyor.model.loader import default_model_path
 
@@ -66,11 +71,17 @@ def start_server(*args: str, api_key: str | None = None, setup: str = "") -> Ser
     except FileNotFoundError as e:
         pytest.fail(f"the default model is part of the set-up: {e}")
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="conveyor-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-c", f"{setup}\n{_MAIN}", "serve", "--port", str(port), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
+    if unread_pipe:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        log_path = ""
+    else:
+        log = tempfile.NamedTemporaryFile("w", prefix="conveyor-serve-", suffix=".log",
+                                          delete=False)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log_path = log.name
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -100,3 +111,17 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+def wait_idle(server: ServerProcess, timeout_s: float = 20.0) -> str:
+    """The /metrics text once no request runs or waits and the KV cache is empty (or the
+    text at the deadline: the caller's assertions then say what is still busy)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(server.base_url + "/metrics").text
+        busy = (metric_value(text, "conveyor:num_requests_running")
+                + metric_value(text, "conveyor:num_requests_waiting")
+                + metric_value(text, "conveyor:kv_cache_usage_perc"))
+        if busy == 0 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)

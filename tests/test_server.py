@@ -6,13 +6,12 @@ One server per module (loading the model dominates); requests ask for few tokens
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
-from server_fixtures import ServerProcess, metric_value, start_server
+from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
 
 MAX_MODEL_LEN = 1024
 PROMPT = "The capital of France is"
@@ -37,19 +36,6 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 def _metrics(server: ServerProcess) -> str:
     return httpx.get(server.base_url + "/metrics").text
-
-
-def _wait_idle(server: ServerProcess, timeout_s: float = 20.0) -> str:
-    """The metrics text once no request runs or waits and the KV cache is empty."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = _metrics(server)
-        busy = (metric_value(text, "conveyor:num_requests_running")
-                + metric_value(text, "conveyor:num_requests_waiting")
-                + metric_value(text, "conveyor:kv_cache_usage_perc"))
-        if busy == 0 or time.monotonic() > deadline:
-            return text
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------- completions
@@ -195,7 +181,7 @@ def test_64_concurrent_streams_share_the_batch(server: ServerProcess):
     assert asyncio.run(run_all()) == [8] * 64
     stats = httpx.get(server.base_url + "/stats").json()
     assert stats["peak_num_requests_running"] >= 32, stats  # the batch held many at once
-    after = _wait_idle(server)
+    after = wait_idle(server)
     name = "conveyor:request_success_total"
     assert (metric_value(after, name, finished_reason="length")
             - metric_value(before, name, finished_reason="length")) >= 64
@@ -217,7 +203,7 @@ def test_streaming_disconnect_aborts(server: ServerProcess):
             events += line.startswith("data: ")
             if events == 3:
                 break  # leaving the block closes the connection mid-stream
-    text = _wait_idle(server)
+    text = wait_idle(server)
     assert metric_value(text, "conveyor:kv_cache_usage_perc") == 0
     assert metric_value(text, "conveyor:num_requests_running") == 0
     assert _aborts(server) == before + 1
@@ -230,7 +216,7 @@ def test_non_streaming_disconnect_aborts(server: ServerProcess):
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.5)
-    text = _wait_idle(server)
+    text = wait_idle(server)
     assert metric_value(text, "conveyor:kv_cache_usage_perc") == 0
     assert _aborts(server) == before + 1
 

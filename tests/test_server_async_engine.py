@@ -31,7 +31,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.model_name = "scripted"
         self.tokenizer = None
-        self.scheduler_config = SimpleNamespace(max_model_len=128)
+        self.scheduler_config = SimpleNamespace(max_model_len=128, max_num_seqs=4)
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.fail_next_step = False
@@ -145,15 +145,27 @@ def test_idle_loop_sleeps():
     _run(main())
 
 
-def test_queue_limit_raises_queue_full():
+def test_queue_limit_counts_only_requests_beyond_free_slots():
+    """--max-queued-requests bounds the requests that would wait beyond the free sequence
+    slots (max_num_seqs 4 here): adds a free slot takes at once never count."""
     async def main() -> None:
         fake = ScriptedEngine()
         engine = AsyncEngine(fake, max_queued_requests=1)  # type: ignore[arg-type]
         engine.start()
-        engine.stats = {**engine.stats, "num_requests_waiting": 1}  # as a step would publish
+        idle = {**engine.stats, "num_requests_running": 0}
+        engine.stats = {**idle, "num_requests_waiting": 4}  # all four take the free slots
+        stream = await engine.add_request([1], SamplingParams(max_tokens=1), "a")
+        assert [o.finished async for o in stream] == [True]
+        busy = {**idle, "num_requests_running": 3, "num_requests_waiting": 1}
+        engine.stats = busy  # one free slot, one waiting for it: the next one would queue
+        await (await engine.add_request([1], SamplingParams(max_tokens=1), "b")).__anext__()
+        engine.stats = {**busy, "num_requests_waiting": 2}  # one queued already: full
         with pytest.raises(QueueFullError) as info:
-            await engine.add_request([1], SamplingParams(), "a")
+            await engine.add_request([1], SamplingParams(), "c")
         assert info.value.retry_after_s >= 1
+        engine.stats = idle
+        with pytest.raises(QueueFullError):  # n=6 sequences: 2 beyond the 4 free slots
+            await engine.add_request([1], SamplingParams(n=6, seed=0), "d")
         await engine.shutdown()
 
     _run(main())

@@ -1,4 +1,5 @@
-"""Every EngineArgs field as a command-line flag of the same name (dashes or underscores)."""
+"""Every EngineArgs field as a command-line flag of the same name (dashes or underscores);
+the same for any other frozen settings dataclass (`add_dataclass_flags`)."""
 
 from __future__ import annotations
 
@@ -44,24 +45,31 @@ def _base_type(hint: Any) -> Any:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    defaults = EngineArgs()
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in ("extra", "model"):
+    add_dataclass_flags(parser.add_argument_group("engine"), EngineArgs, _HELP,
+                        skip=("extra", "model"))
+    parser.add_argument("--model", dest="model", default=None, help=_HELP["model"])
+
+
+def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str],
+                        skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `cls` (dashes or underscores), its default the
+    field's; booleans get --name / --no-name."""
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
             continue
         flags = [f"--{f.name.replace('_', '-')}"]
         if "_" in f.name:
             flags.append(f"--{f.name}")
         default = getattr(defaults, f.name)
         kind = _base_type(hints[f.name])
-        help_text = f"{_HELP.get(f.name, '')} (default: {default})"
+        help_text = f"{helps.get(f.name, '')} (default: {default})"
         if kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
             group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text)
-    parser.add_argument("--model", dest="model", default=None, help=_HELP["model"])
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -46,11 +46,12 @@ class EngineStoppedError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queued-requests: back-pressure (HTTP 429)."""
+    """The requests waiting beyond the free sequence slots are at --max-queued-requests:
+    back-pressure (HTTP 429)."""
 
     def __init__(self, num_waiting: int, limit: int) -> None:
         super().__init__(f"the server is overloaded: {num_waiting} requests are waiting "
-                         f"(limit {limit}); retry after {RETRY_AFTER_S}s")
+                         f"for a free slot (limit {limit}); retry after {RETRY_AFTER_S}s")
         self.retry_after_s = RETRY_AFTER_S
 
 
@@ -130,7 +131,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # event loop only
-        self._num_pending_adds = 0  # event loop only
+        # Sequences of adds queued but not yet in a stats snapshot; guarded by _cond and
+        # changed together with `stats`, so that back-pressure counts each request once.
+        self._num_unapplied_seqs = 0
         self._accepting = True
         self.dead_error: BaseException | None = None
         # Read by the event loop, replaced (never mutated) by the loop thread.
@@ -183,22 +186,31 @@ class AsyncEngine:
                                         daemon=True)
         self._thread.start()
 
-    async def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Stop accepting requests, let in-flight ones finish within timeout_s, abort the rest."""
+    def stop_accepting(self) -> None:
+        """New requests get EngineStoppedError from now on (HTTP 503)."""
         self._accepting = False
+
+    def fail_unfinished(self, error: BaseException) -> None:
+        """End every unfinished request now: its stream raises `error` (after any output it
+        has not read), and the engine aborts it, which frees its KV blocks."""
+        request_ids = list(self._streams)
+        self._fail_all(error)
+        for request_id in request_ids:
+            self.abort(request_id)
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Stop accepting requests, let in-flight ones finish within timeout_s, end the rest
+        with EngineStoppedError, and stop the loop thread."""
+        self.stop_accepting()
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and self.dead_error is None:
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        self.fail_unfinished(EngineStoppedError("the server is shutting down"))
         with self._cond:
             self._stop_thread = True
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
-        for stream in self._streams.values():
-            stream._fail(EngineStoppedError("the server is shutting down"))
-        self._streams.clear()
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -208,14 +220,13 @@ class AsyncEngine:
         Raises ValueError (bad input, from the engine), QueueFullError, EngineDeadError or
         EngineStoppedError before anything is streamed.
         """
-        self._check_accepting()
+        self._check_accepting(params.n)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self)
         done: asyncio.Future[None] = loop.create_future()
         self._streams[request_id] = stream
-        self._num_pending_adds += 1
         self._submit(_Add(prompt, params, request_id, priority, user, done))
         try:
             await done
@@ -226,8 +237,6 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        finally:
-            self._num_pending_adds -= 1
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -246,7 +255,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._submit(_Abort(request_id))
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, num_seqs: int) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine failed and serves no more requests: "
                                   f"{self.dead_error!r}")
@@ -254,13 +263,26 @@ class AsyncEngine:
             raise EngineStoppedError("the server is shutting down")
         limit = self.max_queued_requests
         if limit is not None:
-            num_waiting = int(self.stats["num_requests_waiting"]) + self._num_pending_adds
-            if num_waiting >= limit:
-                raise QueueFullError(num_waiting, limit)
+            num_queued = self._num_queued_beyond_slots(num_seqs)
+            if num_queued > limit:
+                raise QueueFullError(max(num_queued - num_seqs, 0), limit)
+
+    def _num_queued_beyond_slots(self, num_new_seqs: int) -> int:
+        """Sequences that would wait, with `num_new_seqs` more, beyond the free slots under
+        max_num_seqs: those that free slots take at the next step do not queue (from an idle
+        server, a burst as large as max_num_seqs all runs at once)."""
+        with self._cond:
+            stats, unapplied = self.stats, self._num_unapplied_seqs
+        free_slots = self.engine.scheduler_config.max_num_seqs - int(
+            stats["num_requests_running"])
+        waiting = int(stats["num_requests_waiting"]) + unapplied + num_new_seqs
+        return max(waiting - max(free_slots, 0), 0)
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:
             self._commands.append(command)
+            if isinstance(command, _Add):
+                self._num_unapplied_seqs += command.params.n
             self._cond.notify()
 
     # ------------------------------------------------------------------ the loop thread
@@ -298,17 +320,24 @@ class AsyncEngine:
             except Exception as e:  # bad input: goes back to the caller, the engine is fine
                 error = e
             resolved.append((command.done, error))
-        if resolved:
-            self._snapshot()  # before answering: back-pressure must count the new requests
+        applied_seqs = sum(c.params.n for c in commands if isinstance(c, _Add))
+        if applied_seqs:
+            # Before answering: back-pressure must count the new requests, once (failed adds
+            # leave the unapplied count too).
+            self._snapshot(applied_seqs)
         for done, error in resolved:
             self._to_loop(_resolve, done, error)
         return outputs
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self, applied_seqs: int = 0) -> dict[str, Any]:
+        """Publish the engine's stats; `applied_seqs` sequences added since the last one
+        are now in them, no longer unapplied."""
         stats = self.engine.stats()
         self.peak_num_running = max(self.peak_num_running, int(stats["num_requests_running"]))
         stats["peak_num_requests_running"] = self.peak_num_running
-        self.stats = stats
+        with self._cond:
+            self.stats = stats
+            self._num_unapplied_seqs -= applied_seqs
         return stats
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

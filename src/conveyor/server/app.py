@@ -19,8 +19,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import conveyor
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server.chat import create_chat_completion, render_prompt
-from conveyor.server.common import DEFAULT_MAX_BODY_BYTES, ServerState, check_model
+from conveyor.server.common import ServerState, check_model
 from conveyor.server.completions import create_completion
+from conveyor.server.config import ServerConfig
 from conveyor.server.errors import (
     BODY_PARAM,
     APIError,
@@ -29,6 +30,7 @@ from conveyor.server.errors import (
     install_error_handlers,
     internal_error,
 )
+from conveyor.server.logs import AccessLog
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -156,27 +158,28 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-def build_app(engine: AsyncEngine, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_timeout_s: float = 30.0) -> FastAPI:
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app for one engine; its metrics registry is its own (several apps per process)."""
+    config = config or ServerConfig()
     metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     engine.listener = metrics.on_step
-    state = ServerState(engine, metrics, engine.model_name, api_key, max_body_bytes,
-                        shutdown_timeout_s)
+    state = ServerState(engine, metrics, engine.model_name, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
-        await engine.shutdown(shutdown_timeout_s)
+        await engine.shutdown(config.shutdown_timeout)
 
     app = FastAPI(title="conveyor", version=conveyor.__version__, lifespan=lifespan,
                   responses=_ERRORS)
     app.state.server = state
     install_error_handlers(app)
 
-    app.add_middleware(LimitsAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(LimitsAndAuth, api_key=config.api_key,
+                       max_body_bytes=config.max_request_body_bytes)
+    if not config.disable_log_requests:
+        app.add_middleware(AccessLog)  # it times the whole request
     app.add_middleware(RequestIds)  # added last: the outermost
     _add_routes(app, state)
     return app

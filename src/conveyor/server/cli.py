@@ -3,38 +3,39 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import logging
 import os
-import signal
-import threading
-from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from conveyor.cli.engine_args import add_engine_args, engine_args_from
+from conveyor.cli.engine_args import add_dataclass_flags, add_engine_args, engine_args_from
 from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
-from conveyor.server.common import DEFAULT_MAX_BODY_BYTES
+from conveyor.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
+
+_HELP = {
+    "host": "address to bind",
+    "port": "port to bind",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY, "
+               "else no key)",
+    "max_queued_requests": "answer 429 (Retry-After) once this many requests wait beyond the "
+                           "free sequence slots (default: unbounded)",
+    "max_request_body_bytes": "largest request body accepted",
+    "shutdown_timeout": "seconds in-flight requests may take to finish after SIGTERM/SIGINT; "
+                        "then they end with an error (a second signal exits at once)",
+    "timeout_keep_alive": "seconds an open connection may sit without a request",
+    "timeout_read_headers": "seconds a request's headers may take to arrive (slowloris)",
+    "timeout_read_body": "seconds a request's body may take to arrive after its headers",
+    "disable_log_requests": "no access log line per request",
+    "uvicorn_log_level": "uvicorn's own log level",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$CONVEYOR_API_KEY, else no key)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 429 (Retry-After) once this many requests wait "
-                        "(default: unbounded)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish on SIGTERM (default: 30)")
-    p.add_argument("--uvicorn-log-level", default="warning",
-                   help="uvicorn's log level (access logs at info; default: warning)")
+    add_dataclass_flags(p.add_argument_group("server"), ServerConfig, _HELP)
+    p.set_defaults(api_key=os.environ.get("CONVEYOR_API_KEY"))
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -45,12 +46,35 @@ def server_engine_args(args: argparse.Namespace) -> EngineArgs:
                             or SERVER_MAX_NUM_BATCHED_TOKENS)
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name)
+                           for f in dataclasses.fields(ServerConfig)})
+
+
 def run(args: argparse.Namespace) -> int:
+    from conveyor.server.logs import LogQueue
+
+    config = server_config(args)
+    logs = LogQueue()  # from here on, nothing writes logs on the event-loop thread
+    try:
+        status = _serve(args, config)
+    finally:
+        flushed = logs.close()
+    if not flushed:
+        # The log output is blocked (a pipe nobody reads): the interpreter's exit would
+        # block on it too, flushing its handlers and streams.
+        os._exit(status)
+    return status
+
+
+def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     import uvicorn
 
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.server.app import build_app
+    from conveyor.server.connections import ReadTimeouts, timed_protocol
+    from conveyor.server.lifecycle import GracefulServer
 
     # Build the engine off the main thread. Once the main thread has run a parallel torch
     # op, torch ops in any other thread (the engine loop) run ~1.5x slower on this CPU
@@ -58,38 +82,16 @@ def run(args: argparse.Namespace) -> int:
     # one do not interfere with each other.
     with ThreadPoolExecutor(max_workers=1) as pool:
         llm_engine = pool.submit(LLMEngine, server_engine_args(args)).result()  # logs KV capacity
-    engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests)
-    app = build_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    shutdown_timeout_s=args.shutdown_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level.lower(),
-                            timeout_graceful_shutdown=max(int(args.shutdown_timeout), 1))
-    server = _make_server(config)
-    logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
+    engine = AsyncEngine(llm_engine, max_queued_requests=config.max_queued_requests)
+    app = build_app(engine, config)
+    protocol = timed_protocol(ReadTimeouts(config.timeout_read_headers,
+                                           config.timeout_read_body))
+    # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the
+    # root logger's queue; access lines come from conveyor's middleware (with durations).
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, http=protocol,
+                                    log_config=None, access_log=False,
+                                    log_level=config.uvicorn_log_level.lower(),
+                                    timeout_keep_alive=config.timeout_keep_alive)
+    server = GracefulServer(uvicorn_config, engine, config.shutdown_timeout)
     server.run()
     return 0 if server.started else 1
-
-
-def _make_server(config: Any) -> Any:
-    """uvicorn's server, except that SIGTERM/SIGINT end the process with status 0.
-
-    uvicorn re-raises the captured signal after its graceful shutdown, so the process would
-    die "by signal"; a server that drained its requests cleanly exits 0 instead.
-    """
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit)
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server(config)

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.config import ServerConfig
 from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import PromptTokensDetails, Usage, _SamplingFields
@@ -31,7 +32,6 @@ MAX_PROMPTS_PER_REQUEST = 64
 # request would hold the whole queue; vLLM bounds only n).
 MAX_SEQUENCES_PER_REQUEST = MAX_PROMPTS_PER_REQUEST
 MAX_STOP_STRINGS = 16
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass
@@ -41,9 +41,7 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    shutdown_timeout_s: float = 30.0
+    config: ServerConfig = ServerConfig()
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -1,0 +1,47 @@
+"""The HTTP server's settings: one frozen dataclass, each field a `conveyor serve` flag of the
+same name (the engine's own arguments are `EngineArgs`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.config import _require
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `conveyor serve` adds around the engine: address, guards, timeouts, logging."""
+
+    host: str = "127.0.0.1"  # loopback unless asked: no accidental exposure
+    port: int = 8000
+    api_key: str | None = None  # None: no key; else 'Authorization: Bearer KEY' on /v1/*
+    # Requests that may wait beyond those that can run at once (free slots under
+    # max_num_seqs); past it new requests get 429 with Retry-After. None: unbounded.
+    max_queued_requests: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # After the first SIGTERM/SIGINT: how long in-flight requests may take to finish before
+    # they end with an error (streams: an SSE error event and [DONE]).
+    shutdown_timeout: float = 30.0
+    # An open connection with no request in progress is closed after this many seconds
+    # (uvicorn's keep-alive timeout, applied to fresh connections too).
+    timeout_keep_alive: int = 5  # whole seconds, as uvicorn takes it
+    # A request's headers must arrive within this many seconds of its first byte (slowloris).
+    timeout_read_headers: float = 15.0
+    # A request's body must arrive within this many seconds of its headers (a declared
+    # Content-Length never sent in full): 408, then the connection closes.
+    timeout_read_body: float = 60.0
+    disable_log_requests: bool = False  # no access log line per request
+    uvicorn_log_level: str = "warning"  # uvicorn's own messages (ours are at --log-level)
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
+        _require(self.max_queued_requests is None or self.max_queued_requests >= 1,
+                 "max_queued_requests", ">= 1 (or unset)", self.max_queued_requests)
+        _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", ">= 1",
+                 self.max_request_body_bytes)
+        for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_read_headers",
+                     "timeout_read_body"):
+            value = getattr(self, name)
+            _require(value > 0, name, "> 0 seconds", value)
