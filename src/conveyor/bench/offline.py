@@ -109,7 +109,12 @@ def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5, dense: bool = False
     return best
 
 
-def decode_step_time(llm: LLM, batch: int, context_len: int = 128, steps: int = 8) -> float:
+# Tokens each request of a timed decode step has in its context.
+DECODE_CONTEXT_LEN = 128
+
+
+def decode_step_time(llm: LLM, batch: int, context_len: int = DECODE_CONTEXT_LEN,
+                     steps: int = 8) -> float:
     """Median seconds of an engine step in which ``batch`` requests each decode one token."""
     engine = llm.engine
     rng = random.Random(1)
@@ -154,19 +159,60 @@ def warm_up_on(llm: LLM, workload: Workload) -> None:
     llm.engine.check_integrity()
 
 
+def decode_step_bytes(llm: LLM, batch: int, context_len: int = DECODE_CONTEXT_LEN) -> int:
+    """Bytes a decode step of ``batch`` requests at ``context_len`` tokens reads: the weights
+    of its matmuls (GGUF blocks where the engine reads them) and every request's K/V."""
+    engine = llm.engine
+    kv = batch * (context_len + 1) * engine.kv_layout.bytes_per_token
+    return engine.runner.model.decode_weight_bytes() + kv
+
+
 def roofline_rows(llm: LLM, batches: tuple[int, ...]) -> list[dict[str, float]]:
     """A decode step against the bare matmuls at each batch size: the bf16 matmuls (the
     roofline; ``ratio``) and the engine's own, which read GGUF blocks where it can
-    (``ratio_engine_matmuls``: the step's overhead over what its matmuls cost)."""
+    (``ratio_engine_matmuls``: the step's overhead over what its matmuls cost); and the bytes
+    the step reads with the bandwidth that implies (the distance to the memory roofline)."""
     rows = []
     for batch in batches:
         dense = bare_matmul_time(llm, batch, dense=True)
         own = bare_matmul_time(llm, batch)
         step = decode_step_time(llm, batch)
+        read = decode_step_bytes(llm, batch)
         rows.append({"batch": batch, "bare_matmul_ms": dense * 1e3,
                      "engine_matmul_ms": own * 1e3, "decode_step_ms": step * 1e3,
-                     "ratio": step / dense, "ratio_engine_matmuls": step / own})
+                     "ratio": step / dense, "ratio_engine_matmuls": step / own,
+                     "step_mb_read": read / 1e6, "step_gb_per_s": read / step / 1e9})
     return rows
+
+
+@dataclass(frozen=True)
+class SingleStream:
+    """One request alone: its prompt, then greedy tokens (``ignore_eos``)."""
+
+    prompt_len: int = 100
+    max_tokens: int = 128
+
+
+def single_stream(llm: LLM, stream: SingleStream) -> dict[str, float]:
+    """Time to first token and the decode rate of one request alone (tokens after the first
+    over the time after the first): what one user of an idle server sees."""
+    engine = llm.engine
+    rng = random.Random(2)
+    prompt = [rng.randrange(_FIRST_PLAIN_TOKEN, engine.model_config.vocab_size)
+              for _ in range(stream.prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=stream.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request({"prompt_token_ids": prompt}, params)
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if first is None and any(r.num_output_tokens for r in engine.scheduler.running):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {"prompt_len": stream.prompt_len, "output_tokens": stream.max_tokens,
+            "ttft_ms": (first - start) * 1e3,
+            "decode_tokens_per_s": (stream.max_tokens - 1) / (end - first)}
 
 
 def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] = (1, 16, 64),
@@ -198,12 +244,14 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
                  "throughput_ratio": (result.output_tokens_per_s
                                       / other_result.output_tokens_per_s)}
     roofline = roofline_rows(llm, roofline_batches)
+    stream = single_stream(llm, SingleStream())
     if against is not None and other is not None:
         other["roofline"] = roofline_rows(against[0], roofline_batches)
+        other["single_stream"] = single_stream(against[0], SingleStream())
         against[0].engine.check_integrity()
     llm.engine.check_integrity()
     return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
-            "reference_ops": reference, "against": other,
+            "single_stream": stream, "reference_ops": reference, "against": other,
             "engine": {"dtype": str(llm.engine.dtype).removeprefix("torch."),
                        "device": str(llm.engine.device),
                        "kv_cache_dtype": llm.engine.kv_layout.kv_cache_dtype,
@@ -214,13 +262,19 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
 
 
 ROOFLINE_HEADER = (f"{'batch':>5} {'bf16 matmuls':>12} {'own matmuls':>11} {'decode step':>11} "
-                   f"{'ratio':>5}  {'own':>4}")
+                   f"{'ratio':>5}  {'own':>4} {'MB read':>7} {'GB/s':>5}")
 
 
 def _roofline_line(row: dict[str, float]) -> str:
     return (f"{row['batch']:>5} {row['bare_matmul_ms']:>12.1f} {row['engine_matmul_ms']:>11.1f} "
             f"{row['decode_step_ms']:>11.1f} {row['ratio']:>5.2f}  "
-            f"{row['ratio_engine_matmuls']:>4.2f}")
+            f"{row['ratio_engine_matmuls']:>4.2f} {row['step_mb_read']:>7.1f} "
+            f"{row['step_gb_per_s']:>5.1f}")
+
+
+def _stream_line(stream: dict[str, float]) -> str:
+    label = f"One stream ({stream['prompt_len']} + {stream['output_tokens']} tokens), tok/s:"
+    return f"{label:<40}{stream['decode_tokens_per_s']:.1f} (TTFT {stream['ttft_ms']:.0f} ms)"
 
 
 def format_offline(report: dict[str, Any]) -> str:
@@ -240,6 +294,7 @@ def format_offline(report: dict[str, Any]) -> str:
         ROOFLINE_HEADER,
     ]
     lines += [_roofline_line(row) for row in report["roofline"]]
+    lines.append(_stream_line(report["single_stream"]))
     ref = report.get("reference_ops")
     if ref:
         lines += ["------------ C++ kernels vs torch ops -------------",
@@ -253,6 +308,9 @@ def format_offline(report: dict[str, Any]) -> str:
                   f"{'This engine / that one:':<40}{other['throughput_ratio']:.2f}",
                   ROOFLINE_HEADER]
         lines += [_roofline_line(row) for row in other["roofline"]]
+        lines.append(_stream_line(other["single_stream"]))
     lines += ["ratio: decode step / bf16 matmuls (the roofline); own: / the engine's own",
-              "matmuls (GGUF blocks read in place where it can)", "=" * 50]
+              "matmuls (GGUF blocks read in place where it can); MB read: weights and K/V",
+              f"a decode step reads at {DECODE_CONTEXT_LEN} tokens of context; GB/s: that over "
+              "the step's time", "=" * 50]
     return "\n".join(lines)
