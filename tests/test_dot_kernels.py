@@ -1,10 +1,10 @@
 """The AVX512-BF16 kernels (CPUs without AMX): matmuls on pair tiles or GGUF blocks
-(ops/csrc/dot_linear.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
+(ops/csrc/dot_linear.cpp, dot_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
 AMX tiles where the CPU has them and vdpbf16ps elsewhere).
 
 What makes the engine batch-invariant on such CPUs is tested here at the kernel level: a row's
-matmul result does not depend on how many rows share the call, and the blocks give exactly the
-bf16 weights' results; a query row's attention does not depend on its chunk. The kernels need
+matmul result does not depend on how many rows share the call (on blocks or bf16 weights); a
+query row's attention does not depend on its chunk. The kernels need
 a CPU with AVX512-BF16; elsewhere the engine runs float32 and these tests skip.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf.quants import dequantize
 
 from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks
 from conveyor import ops
@@ -39,30 +40,49 @@ def test_dot_linear_is_as_close_to_float32_as_onednn(kops, out_features, in_feat
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_the_batch_or_the_weights_form(kops, qtype) -> None:
-    """Blocks and bf16 pair tiles give the same bits, and a row the same bits alone, in a
-    decode-sized batch or in a prefill-sized one (over 256 rows: two token passes)."""
-    out_features, in_features = 80, 1536  # 5 pair tiles: one full task of 4 and a partial one
+def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
+    """On blocks and on bf16 pair tiles, a row gets the same bits alone, in a decode-sized
+    batch or in a prefill-sized one (over 256 rows: two token passes)."""
+    out_features, in_features = 80, 1536  # 5 row tiles: one full task of 4 and a partial one
     raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
-    weight = bf16_weight(raw, qtype)
-    blocks = kops.pack_block_weights(torch.from_numpy(raw), int(qtype))
-    tiles = kops.pack_dot_weight(weight)
+    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype))
+    tiles = kops.pack_dot_weight(bf16_weight(raw, qtype))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, in_features, generator=gen).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
-    together = kops.dot_linear(x, tiles, bias)
-    assert torch.equal(kops.dot_linear(x, blocks, bias), together)
-    for start, rows in [(0, 1), (7, 1), (3, 2), (10, 5), (40, 64), (1, 299)]:
-        part = slice(start, start + rows)
-        assert torch.equal(kops.dot_linear(x[part], blocks, bias), together[part])
-        assert torch.equal(kops.dot_linear(x[part], tiles, bias), together[part])
-    # ops.linear picks them by the weight's layout: pair tiles are not oneDNN's
-    assert torch.equal(kops.linear(x, tiles, blocks, bias), together)
+    for w in (blocks, tiles):
+        together = kops.dot_linear(x, w, bias)
+        for start, rows in [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (40, 64), (1, 299)]:
+            part = slice(start, start + rows)
+            assert torch.equal(kops.dot_linear(x[part], w, bias), together[part])
+    # ops.linear picks the kernel by the weight's layout (pair tiles are not oneDNN's)
+    assert torch.equal(kops.linear(x, tiles, blocks, bias), kops.dot_linear(x, blocks, bias))
+    assert torch.equal(kops.linear(x, tiles, None, bias), kops.dot_linear(x, tiles, bias))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
+    """The blocks' product is the exact weights' (d * q + m in float32, not rounded to bf16):
+    closer to the float32 product than the bf16 weights' own."""
+    out_features, in_features = 48, 576
+    raw = random_blocks(qtype, out_features, in_features, seed=rows)
+    exact = torch.from_numpy(dequantize(raw.reshape(out_features, -1), qtype).copy())
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    want = x.float() @ exact.T
+    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype))
+    got = kops.dot_linear(x, blocks, None).float()
+    bf16_weights = kops.dot_linear(x, kops.pack_dot_weight(exact.to(torch.bfloat16)), None).float()
+    assert want.abs().max() > 0.1  # a real product, not zeros
+    assert (got - want).abs().max() <= (bf16_weights - want).abs().max()
 
 
 def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kops.pack_dot_weight(torch.zeros(20, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kops.pack_dot_blocks(torch.zeros(20, 2, 20, dtype=torch.uint8), 3)
     with pytest.raises(RuntimeError, match="pack_dot_weight"):
         kops.dot_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                         torch.zeros(16, 64, dtype=torch.bfloat16), None)

@@ -10,6 +10,10 @@ from torch import nn
 
 from conveyor.ops import dot_kernels_available, reference
 
+# The dot kernels' block matmul against the bf16 weight's, relative to its largest output: they
+# differ by the weights' rounding to bf16 (~0.4 % each); a wrong layout differs by ~100 %.
+BLOCKS_TOLERANCE = 0.02
+
 
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with W laid out once for the CPU's matmul kernel (CPU only).
@@ -17,7 +21,7 @@ class PackedLinear(nn.Module):
     - CPUs with AVX512-BF16 but no AMX, bf16 weights: pair tiles for ``ops.dot_linear``
       (``csrc/dot_linear.cpp``), one kernel for every batch size, so a row's result never
       depends on the batch; with ``use_blocks`` it reads the weight's GGUF blocks instead, at
-      every batch size, for the same bits.
+      every batch size (``csrc/dot_blocks.cpp``: the exact GGUF weights).
     - Elsewhere: oneDNN's blocked layout. torch's plain ``F.linear`` re-reads the ``[out, in]``
       weight in its stored layout every call; the pre-packed weight is what oneDNN's GEMM
       wants, which makes the small-batch matmuls of a decode step ~1.4x faster with
@@ -36,7 +40,7 @@ class PackedLinear(nn.Module):
         self.packed = (torch.ops.conveyor.pack_dot_weight(weight.detach()) if self.dot
                        else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         self.bias = None if bias is None else bias.detach()
-        self.blocks: torch.Tensor | None = None  # from ops.pack_block_weights
+        self.blocks: torch.Tensor | None = None  # ops.pack_block_weights or pack_dot_blocks
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -59,21 +63,31 @@ class PackedLinear(nn.Module):
             return self.blocks.numel()
         return self.out_features * self.in_features * self.dtype.itemsize
 
-    def use_blocks(self, blocks: torch.Tensor) -> bool:
-        """Read ``blocks`` (``ops.pack_block_weights`` of this weight's GGUF blocks) where the
-        kernels can (every batch on the dot kernels; up to ``quantized_linear_max_rows`` rows
-        with AMX), if they give exactly this matmul's results: checked here on random inputs
-        at 1, 13, the AMX kernel's most rows and (dot kernels) a prefill-sized batch. False
-        (and unchanged) otherwise."""
+    def use_blocks(self, raw: torch.Tensor, qtype: int) -> bool:
+        """Read this weight's GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type
+        ``qtype``) where the kernels can, if they hold this weight: checked here on random
+        inputs. False (and unchanged) otherwise.
+
+        - AMX: batches of up to ``quantized_linear_max_rows`` rows, bit-identical to oneDNN
+          on the bf16 weight (checked at 1, 13 and that many rows).
+        - AVX512-BF16 dot kernels: every batch, on the exact GGUF weights, so the results
+          differ from the bf16 weight's in the last bits (checked close, at 1 and 300 rows).
+        """
         ops: Any = torch.ops.conveyor
         gen = torch.Generator().manual_seed(0)
-        max_rows = ops.quantized_linear_max_rows()
-        for rows in sorted({1, 13, max_rows} | ({300} if self.dot else set())):
-            x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-            got = (ops.dot_linear(x, blocks, self.bias) if self.dot
-                   else ops.quantized_linear(x, blocks, self.bias))
-            if not torch.equal(got, self.dense(x)):
-                return False
+        if self.dot:
+            blocks = ops.pack_dot_blocks(raw, qtype)
+            for rows in (1, 300):
+                x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
+                got, want = ops.dot_linear(x, blocks, self.bias).float(), self.dense(x).float()
+                if not (got - want).abs().max() <= BLOCKS_TOLERANCE * want.abs().max():
+                    return False
+        else:
+            blocks = ops.pack_block_weights(raw, qtype)
+            for rows in sorted({1, 13, ops.quantized_linear_max_rows()}):
+                x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
+                if not torch.equal(ops.quantized_linear(x, blocks, self.bias), self.dense(x)):
+                    return False
         self.blocks = blocks
         return True
 

@@ -238,7 +238,6 @@ class CausalLM(nn.Module):
         AMX, every batch with the AVX512-BF16 dot kernels). Needs bf16 weights and the C++
         kernels with one of the two; a matmul whose parts are not all blocks of one
         supported type keeps its bf16 weight. Returns how many matmuls took their blocks."""
-        ops: Any = torch.ops.conveyor
         if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
                 or not (amx_available() or dot_kernels_available())):
             return 0
@@ -258,7 +257,7 @@ class CausalLM(nn.Module):
             if (raw.shape[0] != linear.out_features or raw.shape[1] * 32 != linear.in_features
                     or raw.shape[0] % 16):
                 continue
-            used += linear.use_blocks(ops.pack_block_weights(raw, types.pop()))
+            used += linear.use_blocks(raw, types.pop())
         self._refs = self._decode_weights = None  # rebuilt with the blocks
         return used
 

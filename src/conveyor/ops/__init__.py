@@ -37,7 +37,7 @@ from conveyor.ops import reference
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("cpu_ops.cpp", "quant_linear.cpp", "dot_linear.cpp",
+            for name in ("cpu_ops.cpp", "quant_linear.cpp", "dot_linear.cpp", "dot_blocks.cpp",
                          "prefill_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen headers and runs serially without it.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

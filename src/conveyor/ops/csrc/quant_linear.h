@@ -23,10 +23,15 @@ bool dot_linear_available();
 // w bf16 [N, K] (N a multiple of 16, K even) -> the pair tiles dot_linear reads.
 at::Tensor pack_dot_weight(const at::Tensor& w);
 
-// y = x W^T + b for x [M, K] bf16 and W from pack_dot_weight or pack_block_weights: the
-// same bits for a row whatever M is, and from the blocks as from the bf16 weight
-// (dot_linear.cpp).
+// raw GGUF blocks uint8 [N, K/32, block bytes] -> the pair-major records dot_linear reads.
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type);
+
+// y = x W^T + b for x [M, K] bf16 and W from pack_dot_weight (bf16) or pack_dot_blocks (the
+// exact GGUF weights): the same bits for a row whatever M is (dot_linear.cpp, dot_blocks.cpp).
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias);
+
+// dot_linear's block path: x contiguous, w from pack_dot_blocks, bias float32 [N] or null.
+at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias);
 
 }  // namespace conveyor

@@ -1,0 +1,289 @@
+// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0) for CPUs with AVX512-BF16 and no AMX, at every
+// batch size (dot_linear.cpp dispatches here; its notes on pair tiles and batch invariance
+// hold for this file too).
+//
+// Rebuilding each weight's bf16 value from its block costs more than reading the block (a
+// table per row and block, then a 16x16 transpose into pair tiles: ~180 cycles per 512
+// weights, which made a decode step slower than reading bf16 weights). So this kernel never
+// builds the weights: per block of 32 inputs it takes the block's quantized values as bf16
+// integers (exact: |q| <= 127) and factors the scales out,
+//   y[m, n] = sum over blocks b of ( d[n, b] * sum_k q[n, k] x[m, k] + m[n, b] * sum_k x[m, k] )
+// (the m term for Q4_1 only; Q4_0's values are q - 8). One vdpbf16ps adds a pair of inputs'
+// products to 16 rows' block sums; after the block's 16 pairs, one fused multiply-add scales
+// the block sum into the output's float32 sum (and one more adds m times the block's input
+// sum). That is the exact GGUF weights (not rounded to bf16), from 4 instructions per 32 Q4
+// weights, in the same operations and order for an output whatever the batch, tile or
+// thread: the sums are those of the blocks' float32 products, not of the bf16 weights', so
+// they differ from the bf16 weights' in the last bits (closer to float32).
+//
+// Records (pack_dot_blocks), per 16 output rows and 32-input block, pair-major:
+//   Q4_0, Q4_1: q[16 pairs][16 rows] bytes (input 2c in the low nibble, 2c + 1 in the high),
+//               d[16] fp16 (, m[16] fp16)                      = 288 (320) bytes
+//   Q8_0:       q[16 pairs][16 rows][2] int8, d[16] fp16        = 544 bytes
+
+#include "quant_linear.h"
+
+#include "gguf_blocks.h"
+#include "simd_math.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace conveyor {
+namespace {
+
+constexpr int64_t kRows = 16;       // output rows of a record (one pair tile's lanes)
+constexpr int64_t kGroups = 4;      // records side by side in a task: 64 outputs
+constexpr int64_t kPass = 256;      // tokens per pass over a task's records
+constexpr int kTokens = 3;          // 3 tokens x 4 records x 2 (block and total sums): 24 sums
+constexpr int64_t kStreamed = 3;    // up to this many tokens, records are read in place
+
+// Where a record's d (then m) begins.
+constexpr int64_t scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
+
+#ifdef CONVEYOR_AVX512BF16
+
+// The 16 values of a nibble as bf16 integers: q - 8 (Q4_0) or q (Q4_1), in words 0-15.
+template <int64_t Type>
+__m512i nibble_levels() {
+  const __m512 levels = Type == kQ4_0
+      ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return (__m512i)_mm512_cvtne2ps_pbh(levels, levels);
+}
+
+// Pair c of a record: for its 16 rows, the values of inputs 2c and 2c + 1 as bf16 (one word
+// each, the even input low).
+template <int64_t Type>
+inline __m512bh record_pair(const uint8_t* rec, int64_t c, __m512i levels) {
+  if constexpr (Type == kQ8_0) {
+    const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + c * 32)));
+    const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + c * 32 + 16)));
+    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(hi), _mm512_cvtepi32_ps(lo));
+  } else {
+    // Row r's byte in dword r; its low nibble to word 2r, its high one (<< 12) to word 2r + 1.
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rec + c * 16)));
+    const __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
+                                                  _mm512_set1_epi32(0x000F000F), 0xA8);  // (a|b)&c
+    return (__m512bh)_mm512_permutexvar_epi16(idx, levels);
+  }
+}
+
+inline __m512 record_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+// Weights read in place from a task's records (absent ones: a zero record).
+template <int64_t Type>
+struct Records {
+  const uint8_t* first[kGroups];  // block 0's record of each group
+  int64_t stride;                 // bytes from a group's block to its next
+  __m512i levels;
+  __m512bh pair(int64_t j, int64_t b, int64_t c) const {
+    return record_pair<Type>(first[j] + b * stride, c, levels);
+  }
+  __m512 scale(int64_t j, int64_t b) const {
+    return record_halves(first[j] + b * stride + scale_offset(Type));
+  }
+  __m512 min(int64_t j, int64_t b) const { return record_halves(first[j] + b * stride + 288); }
+};
+
+// The same weights unpacked once per pass into pair words and float32 scales.
+struct Unpacked {
+  const uint32_t* pairs[kGroups];  // [blocks * 16][16] words
+  const float* scales[kGroups];    // [blocks][16]
+  const float* mins[kGroups];      // [blocks][16]
+  __m512bh pair(int64_t j, int64_t b, int64_t c) const {
+    return (__m512bh)_mm512_loadu_si512(pairs[j] + (b * 16 + c) * 16);
+  }
+  __m512 scale(int64_t j, int64_t b) const { return _mm512_loadu_ps(scales[j] + b * 16); }
+  __m512 min(int64_t j, int64_t b) const { return _mm512_loadu_ps(mins[j] + b * 16); }
+};
+
+struct Call {
+  const uint32_t* x;  // [m, pairs] words
+  const float* sx;    // [m, blocks]: each block's input sum (Q4_1)
+  int64_t pairs, blocks, n;
+  const float* bias;  // [n] or null
+  uint16_t* y;        // [m, n] bf16
+};
+
+// y rows [m0, m0 + MR), the task's outputs from n0 (`groups` records).
+template <int64_t Type, int MR, class Weights>
+void block_tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t m0) {
+  __m512 acc[MR][kGroups], blk[MR][kGroups];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kGroups; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint32_t* xr = p.x + m0 * p.pairs;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < 16; ++c) {
+      __m512bh wv[kGroups];
+      for (int j = 0; j < kGroups; ++j) wv[j] = w.pair(j, b, c);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xb =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i * p.pairs + b * 16 + c]));
+        for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
+      }
+    }
+    for (int j = 0; j < kGroups; ++j) {
+      const __m512 d = w.scale(j, b);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
+      if constexpr (Type == kQ4_1) {
+        const __m512 mv = w.min(j, b);
+        for (int i = 0; i < MR; ++i)
+          acc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), acc[i][j]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < groups; ++j) {
+    const int64_t col = n0 + j * kRows;
+    const __m512 bv = p.bias ? _mm512_loadu_ps(p.bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      _mm256_storeu_si256((__m256i*)(p.y + (m0 + i) * p.n + col),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bv)));
+  }
+}
+
+template <int64_t Type, class Weights>
+void tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; m += kTokens) {
+    switch (std::min<int64_t>(kTokens, m1 - m)) {
+      case 1: block_tokens<Type, 1>(p, w, groups, n0, m); break;
+      case 2: block_tokens<Type, 2>(p, w, groups, n0, m); break;
+      default: block_tokens<Type, 3>(p, w, groups, n0, m); break;
+    }
+  }
+}
+
+// A task's records -> Unpacked buffers (pairs, scales, mins), in `buf`.
+template <int64_t Type>
+Unpacked unpack(const Records<Type>& r, int64_t blocks, std::vector<uint32_t>& buf) {
+  const int64_t pair_words = blocks * 256, scale_words = blocks * 16;
+  buf.resize(static_cast<size_t>(kGroups * (pair_words + 2 * scale_words)));
+  Unpacked u{};
+  for (int64_t j = 0; j < kGroups; ++j) {
+    uint32_t* pairs = buf.data() + j * (pair_words + 2 * scale_words);
+    auto* scales = reinterpret_cast<float*>(pairs + pair_words);
+    float* mins = scales + scale_words;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t c = 0; c < 16; ++c)
+        _mm512_storeu_si512(pairs + (b * 16 + c) * 16, (__m512i)r.pair(j, b, c));
+      _mm512_storeu_ps(scales + b * 16, r.scale(j, b));
+      if constexpr (Type == kQ4_1) _mm512_storeu_ps(mins + b * 16, r.min(j, b));
+    }
+    u.pairs[j] = pairs;
+    u.scales[j] = scales;
+    u.mins[j] = mins;
+  }
+  return u;
+}
+
+template <int64_t Type>
+void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
+  const int64_t record = block_format(Type).record_bytes;
+  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kPass - 1) / kPass;
+  std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
+  // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
+  at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> buf;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
+      const int64_t here = std::min(kGroups, groups - first);
+      Records<Type> r{{}, record, nibble_levels<Type>()};
+      for (int64_t j = 0; j < kGroups; ++j)
+        r.first[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
+      const int64_t m0 = pass * kPass, m1 = std::min(m, m0 + kPass);
+      if (m1 - m0 <= kStreamed)
+        tokens<Type>(p, r, here, first * kRows, m0, m1);
+      else
+        tokens<Type>(p, unpack(r, p.blocks, buf), here, first * kRows, m0, m1);
+    }
+  });
+}
+
+// Each token's sum of each block of 32 inputs, in one fixed order: [m, blocks].
+std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
+  std::vector<float> sx(static_cast<size_t>(m * blocks));
+  for (int64_t i = 0; i < m * blocks; ++i) {
+    const __m512i words = _mm512_loadu_si512(x + i * 32);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+    sx[static_cast<size_t>(i)] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+  return sx;
+}
+
+#endif  // CONVEYOR_AVX512BF16
+
+}  // namespace
+
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type) {
+  const BlockFormat f = block_format(type);
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
+              "pack_dot_blocks: expected uint8 [rows, blocks, ", f.block_bytes, "], got ",
+              raw.sizes(), " ", raw.scalar_type());
+  const int64_t n = raw.size(0), kb = raw.size(1);
+  TORCH_CHECK(n % kRows == 0, "pack_dot_blocks: rows must be a multiple of 16, got ", n);
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::zeros({n / kRows, kb, f.record_bytes}, raw.options());
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
+  const int64_t scales = scale_offset(type);
+  at::parallel_for(0, n / kRows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < kb; ++b) {
+        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
+        for (int64_t i = 0; i < kRows; ++i) {
+          const uint8_t* blk = r + ((t * kRows + i) * kb + b) * f.block_bytes;
+          std::memcpy(rec + scales + i * 2, blk, 2);                             // d
+          if (type == kQ4_1) std::memcpy(rec + scales + 32 + i * 2, blk + 2, 2);  // m
+          const uint8_t* qs = blk + q_offset;
+          for (int64_t c = 0; c < 16; ++c) {
+            if (type == kQ8_0) {
+              rec[(c * kRows + i) * 2] = qs[2 * c];
+              rec[(c * kRows + i) * 2 + 1] = qs[2 * c + 1];
+              continue;
+            }
+            // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
+            auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
+            rec[c * kRows + i] = static_cast<uint8_t>(nibble(2 * c) | (nibble(2 * c + 1) << 4));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
+  const int64_t type = type_of_record(w.size(2), "dot_linear");
+  const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kRows, m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+#ifdef CONVEYOR_AVX512BF16
+  const at::Tensor xc = x.contiguous();
+  const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const std::vector<float> sx = type == kQ4_1 ? block_sums(xd, m, blocks) : std::vector<float>();
+  const Call p{reinterpret_cast<const uint32_t*>(xd), sx.data(), blocks * 16, blocks, n, bias,
+               reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  switch (type) {
+    case kQ4_0: run<kQ4_0>(p, wd, groups, m); break;
+    case kQ4_1: run<kQ4_1>(p, wd, groups, m); break;
+    default: run<kQ8_0>(p, wd, groups, m); break;
+  }
+#endif
+  return y;
+}
+
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("pack_dot_blocks(Tensor raw, int type) -> Tensor", &conveyor::pack_dot_blocks);
+}
