@@ -312,13 +312,13 @@ LONG_PROMPT = [(i * 37) % 400 + 2 for i in range(40)]  # 2.5 blocks of 16: 2 ful
 
 
 def test_n_seeded_samples_differ_and_share_the_prompt(tiny_llm, kv_free) -> None:
-    before = tiny_llm.stats()["prefix_cache_hits"]
+    before = tiny_llm.stats().prefix_cache_hits
     (out,) = tiny_llm.generate({"prompt_token_ids": LONG_PROMPT}, SamplingParams(
         n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True))
     assert [c.index for c in out.outputs] == [0, 1]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
-    assert tiny_llm.stats()["prefix_cache_hits"] > before
+    assert tiny_llm.stats().prefix_cache_hits > before
     assert out.finished
     kv_free(tiny_llm)
 

@@ -12,6 +12,7 @@ falls behind reads fewer, larger updates instead of a growing queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -34,7 +36,7 @@ THREAD_JOIN_TIMEOUT_S = 10.0
 
 # Called in the loop thread after every loop iteration: (outputs of this iteration, including
 # aborted requests' final outputs; the engine's stats snapshot; time.time() at the end).
-StepListener = Callable[[list[RequestOutput], dict[str, Any], float], None]
+StepListener = Callable[[list[RequestOutput], EngineStats, float], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -134,7 +136,7 @@ class AsyncEngine:
         self._accepting = True
         self.dead_error: BaseException | None = None
         # Read by the event loop, replaced (never mutated) by the loop thread.
-        self.stats: dict[str, Any] = engine.stats()
+        self.stats: EngineStats = engine.stats()
         self.peak_num_running = 0
 
     # ------------------------------------------------------------------ read-only engine info
@@ -250,7 +252,7 @@ class AsyncEngine:
             raise EngineStoppedError("the server is shutting down")
         limit = self.max_queued_requests
         if limit is not None:
-            num_waiting = int(self.stats["num_requests_waiting"]) + self._num_pending_adds
+            num_waiting = self.stats.num_requests_waiting + self._num_pending_adds
             if num_waiting >= limit:
                 raise QueueFullError(num_waiting, limit)
 
@@ -300,12 +302,11 @@ class AsyncEngine:
             self._to_loop(_resolve, done, error)
         return outputs
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> EngineStats:
         stats = self.engine.stats()
-        self.peak_num_running = max(self.peak_num_running, int(stats["num_requests_running"]))
-        stats["peak_num_requests_running"] = self.peak_num_running
-        self.stats = stats
-        return stats
+        self.peak_num_running = max(self.peak_num_running, stats.num_requests_running)
+        self.stats = dataclasses.replace(stats, peak_num_requests_running=self.peak_num_running)
+        return self.stats
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         stats = self._snapshot()

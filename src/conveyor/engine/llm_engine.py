@@ -18,6 +18,7 @@ from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
+from conveyor.engine.stats import FINISH_REASONS, EngineStats, ScheduledEntry, StepTrace
 from conveyor.model.device import resolve_device, resolve_dtype
 from conveyor.model.llama import build_model
 from conveyor.model.loader import load_checkpoint
@@ -66,11 +67,11 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
-        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
-        self.step_trace: list[dict[str, Any]] | None = [] if args.step_trace else None
+        self.step_trace: list[StepTrace] | None = [] if args.step_trace else None
         logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
@@ -85,27 +86,27 @@ class LLMEngine:
                 f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
                 f"max_model_len={max_len} fit")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
         prefix = kv.pool.stats
-        return {
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage,
-            "num_preemptions": sched.stats.num_preemptions,
-            "num_preempted_tokens": sched.stats.num_preempted_tokens,
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
-            "num_steps": sched.stats.num_steps,
-            "num_swapped_blocks": sched.stats.num_swapped_blocks,
-            "peak_num_requests_running": sched.stats.peak_running,
-            "peak_kv_utilization": sched.stats.peak_kv_utilization,
-            "prefix_cache_queries": prefix.queries,
-            "prefix_cache_hits": prefix.hits,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generation_tokens": self.num_generation_tokens,
-            "finished_by_reason": dict(self.finished_by_reason),
-        }
+        return EngineStats(
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=sched.stats.num_preemptions,
+            num_preempted_tokens=sched.stats.num_preempted_tokens,
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
+            num_steps=sched.stats.num_steps,
+            num_swapped_blocks=sched.stats.num_swapped_blocks,
+            peak_num_requests_running=sched.stats.peak_running,
+            peak_kv_utilization=sched.stats.peak_kv_utilization,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            finished_by_reason=dict(self.finished_by_reason),
+        )
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -214,21 +215,22 @@ class LLMEngine:
         return [self._retire(g) if g.finished else g.output() for g in touched.values()]
 
     def _trace_step(self, out: SchedulerOutput, updated: list[Request],
-                    start: float) -> dict[str, Any]:
+                    start: float) -> StepTrace:
         """One step's decisions: who ran how many tokens (prefill or decode), who was
         preempted, who waited, who finished, and the KV blocks in use."""
         kv = self.scheduler.kv_cache
-        return {
-            "step": out.step_id, "time": start, "duration": time.perf_counter() - start,
-            "scheduled": [[s.request_id, s.num_new_tokens,
-                           "decode" if s.num_new_tokens == 1 and s.num_computed_tokens
-                           else "prefill"] for s in out.scheduled],
-            "preempted": sorted(out.preempted_request_ids),
-            "waiting": [r.request_id for r in self.scheduler.policy],
-            "finished": [r.request_id for r in updated if r.status.finished],
-            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-            "kv_blocks_total": kv.num_blocks,
-        }
+        return StepTrace(
+            step=out.step_id, time=start, duration=time.perf_counter() - start,
+            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens,
+                                           "decode" if s.num_new_tokens == 1
+                                           and s.num_computed_tokens else "prefill")
+                            for s in out.scheduled),
+            preempted=tuple(sorted(out.preempted_request_ids)),
+            waiting=tuple(r.request_id for r in self.scheduler.policy),
+            finished=tuple(r.request_id for r in updated if r.status.finished),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+        )
 
     def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
         request = seq.request
