@@ -54,8 +54,9 @@ class ServerProcess:
             os.unlink(self.log_path)
 
 
-def start_server(*args: str, api_key: str | None = None) -> ServerProcess:
-    """Start `conveyor serve ARGS` and wait until /health answers 200."""
+def start_server(*args: str, api_key: str | None = None, prelude: str = "") -> ServerProcess:
+    """Start `conveyor serve ARGS` and wait until /health answers 200; `prelude` is Python
+    run in the server process first (to inject a fault)."""
     try:
         from conveyor.model.loader import default_model_path
 
@@ -64,7 +65,7 @@ def start_server(*args: str, api_key: str | None = None) -> ServerProcess:
         pytest.fail(f"the default model is part of the set-up: {e}")
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="conveyor-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-c", _MAIN, "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-c", f"{prelude}\n{_MAIN}", "serve", "--port", str(port), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)

@@ -43,6 +43,15 @@ class EngineDeadError(RuntimeError):
     """A step raised: the engine can serve no more requests (health turns 503)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine step that ran this request failed (the engine logged why); the engine and
+    the other requests go on. An internal error (HTTP 500), not the client's fault."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"internal error: request {request_id} failed inside an engine step")
+        self.request_id = request_id
+
+
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
@@ -91,6 +100,7 @@ class RequestStream:
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
+        self.finished = True  # nothing left to abort
         self._event.set()
 
     # -- the consumer's side
@@ -135,6 +145,8 @@ class AsyncEngine:
         self._num_pending_adds = 0  # event loop only
         self._accepting = True
         self.dead_error: BaseException | None = None
+        # Called on the event loop once the engine died (`conveyor serve` exits non-zero).
+        self.on_dead: Callable[[BaseException], None] | None = None
         # Read by the event loop, replaced (never mutated) by the loop thread.
         self.stats: EngineStats = engine.stats()
         self.peak_num_running = 0
@@ -327,6 +339,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._to_loop(_resolve, command.done, dead)
         self._to_loop(self._fail_all, dead)
+        if self.on_dead is not None:
+            self._to_loop(self.on_dead, error)
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None or self._loop.is_closed():
@@ -342,7 +356,10 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream._put(output)
+            if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                stream._fail(RequestFailedError(output.request_id))
+            else:
+                stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
 

@@ -2,7 +2,8 @@
 
 ``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
 (the server) drive it. Bad input raises ``ValueError`` from ``add_request`` and never reaches
-the scheduler, so one bad request cannot disturb the others.
+the scheduler, so one bad request cannot disturb the others; a forward pass that raises
+ends only the requests it ran (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
@@ -31,6 +33,11 @@ from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
+
+# Failed steps in a row after which the engine gives up (step() raises): a device or a bug
+# that fails every step would otherwise turn every request into an error while the engine
+# still accepts them.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 def served_name(model: str | None, path: str) -> str:
@@ -70,6 +77,7 @@ class LLMEngine:
         self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_consecutive_step_failures = 0
         # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
         self.step_trace: list[StepTrace] | None = [] if args.step_trace else None
         logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
@@ -182,16 +190,23 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); their blocks free at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        return self._end_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _end_requests(self, request_ids: Iterable[str],
+                      status: RequestStatus) -> list[RequestOutput]:
+        """Finish whole user requests (all n samples) with `status`; their final outputs."""
         outputs = []
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        for request_id in request_ids:
             group = self.groups.get(request_id)
             if group is None:
                 continue
             group.pending.clear()
-            self.scheduler.abort_requests([s.request.request_id for s in group.sequences])
+            self.scheduler.finish_requests([s.request.request_id for s in group.sequences],
+                                           status)
             for seq in group.sequences:
                 if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
+                    seq.finish_reason = status.finish_reason
             outputs.append(self._retire(group))
         return outputs
 
@@ -203,7 +218,11 @@ class LLMEngine:
         """Run one forward pass; return the outputs of requests that got new tokens."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as error:
+            return self._fail_step(scheduler_output, error)
+        self.num_consecutive_step_failures = 0
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None:
             self.step_trace.append(self._trace_step(scheduler_output, updated, start))
@@ -213,6 +232,27 @@ class LLMEngine:
             self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
             touched[group.request_id] = group
         return [self._retire(g) if g.finished else g.output() for g in touched.values()]
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The forward pass raised: end the requests it ran with finish_reason "error" and
+        free their blocks (their KV may be half-written), keep serving the others.
+
+        The scheduler's state is sound (``update`` did not run, so no block of this step
+        was published to the prefix cache); the runner drops the failed requests' state at
+        the next step. Raises after MAX_CONSECUTIVE_STEP_FAILURES failures in a row.
+        """
+        self.num_consecutive_step_failures += 1
+        failed = {s.request_id for s in out.scheduled}
+        if out.swap_out:  # the copy of the preempted requests' KV to host may not have run
+            failed |= out.preempted_request_ids
+        groups = {self._sequences[i][0].request_id for i in failed if i in self._sequences}
+        outputs = self._end_requests(sorted(groups), RequestStatus.FINISHED_ERROR)
+        if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self.num_consecutive_step_failures} engine steps failed in a "
+                               "row; the engine cannot continue") from error
+        logger.error("engine step %d failed; its %d request(s) end with finish_reason "
+                     "'error': %s", out.step_id, len(groups), sorted(groups), exc_info=error)
+        return outputs
 
     def _trace_step(self, out: SchedulerOutput, updated: list[Request],
                     start: float) -> StepTrace:

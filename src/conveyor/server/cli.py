@@ -65,9 +65,16 @@ def run(args: argparse.Namespace) -> int:
                             log_level=args.uvicorn_log_level.lower(),
                             timeout_graceful_shutdown=max(int(args.shutdown_timeout), 1))
     server = _make_server(config)
+
+    def on_engine_dead(error: BaseException) -> None:
+        # Never a server that accepts requests it will never answer: stop, exit non-zero.
+        logger.error("the engine cannot continue; the server shuts down")
+        server.should_exit = True
+
+    engine.on_dead = on_engine_dead
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and engine.dead_error is None else 1
 
 
 def _make_server(config: Any) -> Any:

@@ -16,7 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.async_engine import EngineDeadError, EngineStoppedError, QueueFullError
+from conveyor.engine.async_engine import (
+    EngineDeadError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,9 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStoppedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error",
                         code="shutting_down")
+    if isinstance(exc, RequestFailedError):  # the engine logged the step's traceback
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "server_error",
+                        code="internal_error")
     logger.error("internal error", exc_info=exc)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal server error: {exc!r}",
                     "server_error")
@@ -117,5 +125,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError,
-                 Exception):
+                 RequestFailedError, Exception):
         app.add_exception_handler(kind, _on_error)

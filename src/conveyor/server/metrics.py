@@ -12,11 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from conveyor.engine.stats import EngineStats
+from conveyor.engine.stats import FINISH_REASONS, EngineStats
 from conveyor.outputs import RequestOutput
 
 PREFIX = "conveyor:"
-FINISH_REASONS = ("stop", "length", "abort")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
