@@ -89,10 +89,13 @@ class LLMEngine:
     def capacity_summary(self) -> str:
         layout, max_len = self.kv_layout, self.scheduler_config.max_model_len
         fits = layout.num_tokens / max_len
+        swap = (f"; swap space: {layout.num_swap_blocks} blocks, "
+                f"{layout.num_swap_bytes / 2**20:.1f} MiB of host memory"
+                if layout.num_swap_blocks else "")
         return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
                 f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
                 f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
-                f"max_model_len={max_len} fit")
+                f"max_model_len={max_len} fit{swap} (all of it written at start)")
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
