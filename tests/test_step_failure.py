@@ -93,6 +93,31 @@ def test_steps_failing_in_a_row_stop_the_engine(two_seq_llm, monkeypatch, kv_fre
     kv_free(llm)
 
 
+def test_failed_post_processing_fails_only_its_request(two_seq_llm, monkeypatch, kv_free):
+    """A bug after the forward pass (detokenizing, stop checks) for one request."""
+    from conveyor.engine.sequence import Sequence
+
+    llm = two_seq_llm
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    add_token = Sequence.add_token
+    calls = itertools.count(1)
+
+    def failing(self: Sequence, token_id: int, logprobs: Any) -> str | None:
+        target = self.request.prompt_token_ids == PROMPTS[1]["prompt_token_ids"]
+        if target and next(calls) == 3:  # its third token
+            raise RuntimeError(INJECTED)
+        return add_token(self, token_id, logprobs)
+
+    monkeypatch.setattr(Sequence, "add_token", failing)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length",
+                                                               "length"]
+    assert len(outputs[1].outputs[0].token_ids) == 3
+    assert [o.outputs[0].token_ids for i, o in enumerate(outputs) if i != 1] == \
+        [e for i, e in enumerate(expected) if i != 1]
+    kv_free(llm)
+
+
 # ---------------------------------------------------------------------- through the server
 # The server's runner raises while this file exists; "once" in it: for one step only.
 _PRELUDE = """

@@ -17,7 +17,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
 from conveyor.engine.stats import FINISH_REASONS, EngineStats, ScheduledEntry, StepTrace
@@ -229,12 +229,30 @@ class LLMEngine:
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None:
             self.step_trace.append(self._trace_step(scheduler_output, updated, start))
+        return self._emit(updated, runner_output)
+
+    def _emit(self, updated: list[Request], runner_output: ModelRunnerOutput
+              ) -> list[RequestOutput]:
+        """Detokenize and stop-check the new tokens; the outputs of the requests touched.
+        A request whose post-processing raises (a bug, a tokenizer error) ends alone with
+        finish_reason "error"."""
         touched: dict[str, RequestGroup] = {}
+        failed: list[RequestOutput] = []
         for request in updated:
-            group, seq = self._sequences[request.request_id]
-            self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+            entry = self._sequences.get(request.request_id)
+            if entry is None:
+                continue  # a sibling sample failed earlier in this loop: the group is gone
+            group, seq = entry
+            try:
+                self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+            except Exception:
+                logger.exception("request %s failed after its token", group.request_id)
+                touched.pop(group.request_id, None)
+                failed += self._end_requests([group.request_id], RequestStatus.FINISHED_ERROR)
+                continue
             touched[group.request_id] = group
-        return [self._retire(g) if g.finished else g.output() for g in touched.values()]
+        return failed + [self._retire(g) if g.finished else g.output()
+                         for g in touched.values()]
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The forward pass raised: end the requests it ran with finish_reason "error" and
