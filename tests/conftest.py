@@ -206,8 +206,8 @@ def greedy_reference() -> Callable[..., tuple[list[int], list[torch.Tensor]]]:
 def assert_kv_free(llm: Any) -> None:
     """With no request alive every KV block is free and the cache's invariants hold."""
     stats = llm.stats()
-    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0, stats
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats.num_requests_running == 0 and stats.num_requests_waiting == 0, stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
     llm.engine.check_integrity()
 
 

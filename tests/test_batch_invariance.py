@@ -60,9 +60,9 @@ def alone(reference) -> list[Output]:
 def test_batched_and_prefix_cached_outputs_equal_each_alone(alone, kv_free) -> None:
     llm = _engine()
     assert _tokens(llm, PROMPTS) == alone
-    hits_before = llm.stats()["prefix_cache_hits"]
+    hits_before = llm.stats().prefix_cache_hits
     assert _tokens(llm, PROMPTS[::-1]) == alone[::-1]  # the long prompt's blocks are cached
-    assert llm.stats()["prefix_cache_hits"] > hits_before
+    assert llm.stats().prefix_cache_hits > hits_before
     kv_free(llm)
 
 
@@ -70,7 +70,7 @@ def test_chunked_outputs_without_prefix_caching_equal_each_alone(alone, kv_free)
     # 16 tokens a step: the long prompt is cut into chunks next to running decodes.
     llm = _engine(max_num_batched_tokens=16, enable_prefix_caching=False)
     assert _tokens(llm, PROMPTS) == alone
-    assert llm.stats()["num_steps"] > 24 + 40 // 16
+    assert llm.stats().num_steps > 24 + 40 // 16
     kv_free(llm)
 
 
@@ -86,5 +86,5 @@ def test_recompute_preemption_keeps_the_outputs(reference, kv_free) -> None:
     alone, bytes_per_block = reference
     llm = _engine(kv_cache_memory=8 * bytes_per_block, max_model_len=128, preemption="recompute")
     assert _tokens(llm, PROMPTS) == alone
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     kv_free(llm)

@@ -19,6 +19,7 @@ from conveyor.bench import plots
 from conveyor.bench.sweep import find_knee
 from conveyor.cli import main
 from conveyor.cli.engine_args import parse_engine_override
+from conveyor.engine.stats import ScheduledEntry, StepTrace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_KV_MEMORY = 1 << 20  # 64 blocks of 16 tokens for the tiny MHA model in float32
@@ -132,14 +133,14 @@ def test_compare_plots(compare_report: tuple[dict[str, Any], Path]) -> None:
 
 
 def test_timeline_matrix_categories() -> None:
-    trace = [
-        {"scheduled": [["0", 8, "prefill"]], "waiting": ["1"], "preempted": [],
-         "finished": []},
-        {"scheduled": [["0", 1, "decode"], ["1", 8, "prefill"]], "waiting": [],
-         "preempted": [], "finished": []},
-        {"scheduled": [["1", 1, "decode"]], "waiting": ["0"], "preempted": ["0"],
-         "finished": ["1"]},
-    ]
+    def step(scheduled: list[tuple[str, int, str]], waiting: tuple[str, ...] = (),
+             preempted: tuple[str, ...] = (), finished: tuple[str, ...] = ()) -> StepTrace:
+        return StepTrace(0, 0.0, 0.0, tuple(ScheduledEntry(*s) for s in scheduled), preempted,
+                         waiting, finished, 0, 1)
+
+    trace = [step([("0", 8, "prefill")], waiting=("1",)),
+             step([("0", 1, "decode"), ("1", 8, "prefill")]),
+             step([("1", 1, "decode")], waiting=("0",), preempted=("0",), finished=("1",))]
     matrix = plots.timeline_matrix(trace, ["0", "1"])
     assert matrix.tolist() == [[plots.PREFILL, plots.DECODE, plots.PREEMPTED],
                                [plots.WAITING, plots.PREFILL, plots.DECODE]]

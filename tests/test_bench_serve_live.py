@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from server_fixtures import ServerProcess, start_server
+from conveyor.bench.serve import abort_points
+from server_fixtures import ServerProcess, metric_value, start_server
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 6
@@ -66,3 +69,27 @@ def test_bench_serve_json_on_stdout_and_chat_endpoint(server: ServerProcess,
     assert json.loads(stdout)["completed"] == NUM_PROMPTS
     assert result["completed"] == NUM_PROMPTS and result["max_concurrent_requests"] <= 2
     assert result["endpoint"] == "/v1/chat/completions"
+
+
+def test_bench_serve_abort_fraction(server: ServerProcess, tmp_path: Path) -> None:
+    result, table = _bench(server, tmp_path, "--abort-fraction", "0.5")
+    points = abort_points(NUM_PROMPTS, 0.5, [OUTPUT_LEN] * NUM_PROMPTS, seed=0)
+    # A stream cut before its first or second chunk is surely aborted; a later cut may come
+    # after the server sent every token in fewer chunks (then the stream completes).
+    surely = sum(p is not None and p <= 1 for p in points)
+    assert surely >= 1
+    assert surely <= result["aborted"] <= NUM_PROMPTS // 2
+    assert result["completed"] + result["aborted"] == NUM_PROMPTS and result["failed"] == 0
+    assert "Aborted requests:" in table and result["abort_fraction"] == 0.5
+    records = result["requests"]
+    assert all(r["output_tokens"] == OUTPUT_LEN for r in records if not r["aborted"])
+    # The server sees the last disconnects within a step or two: then nothing is left.
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(server.base_url + "/metrics").text
+        busy = [n for n in names if metric_value(text, "conveyor:" + n) != 0]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not busy, text

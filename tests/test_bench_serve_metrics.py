@@ -30,7 +30,13 @@ from conveyor.bench.metrics import (
     parse_goodput,
     peak_concurrency,
 )
-from conveyor.bench.serve import BenchmarkConfig, arrivals, build_payload, chunk_text
+from conveyor.bench.serve import (
+    BenchmarkConfig,
+    abort_points,
+    arrivals,
+    build_payload,
+    chunk_text,
+)
 
 
 def _record(
@@ -115,6 +121,33 @@ def test_goodput() -> None:
 def test_parse_goodput_rejects(bad: str) -> None:
     with pytest.raises(ValueError, match="--goodput"):
         parse_goodput([bad])
+
+
+def test_aborted_requests_count_apart_from_latencies() -> None:
+    done = _record(0.0, 0.1, [0.01, 0.02], 3)
+    aborted = RequestRecord(success=False, ttft=5.0, latency=9.0, start_time=0.0,
+                            end_time=9.0, aborted=True)
+    failed = RequestRecord(success=False, error="x", start_time=0.0, end_time=0.5)
+    m = compute_metrics([done, aborted, failed], 10.0)
+    assert (m.completed, m.failed, m.aborted) == (1, 1, 1)
+    assert m.ttft.mean_ms == pytest.approx(100.0) and m.e2el.mean_ms == pytest.approx(130.0)
+    assert m.total_output_tokens == 3 and m.peak_concurrency == 3
+    assert "Aborted requests:" in format_table(m) and metrics_to_dict(m)["aborted"] == 1
+    assert "Aborted requests:" not in format_table(compute_metrics([done], 1.0))
+
+
+def test_abort_points_seeded_and_in_range() -> None:
+    lens = [1, 4, 9, 16] * 25
+    points = abort_points(100, 0.2, lens, seed=3)
+    assert points == abort_points(100, 0.2, lens, seed=3)
+    assert points != abort_points(100, 0.2, lens, seed=4)
+    chosen = [(p, n) for p, n in zip(points, lens, strict=True) if p is not None]
+    assert len(chosen) == 20 and all(0 <= p < n for p, n in chosen)
+    assert len({p for p, _ in chosen}) > 3  # random points, not one
+    assert abort_points(10, 0.0, [4] * 10, seed=0) == [None] * 10
+    assert None not in abort_points(10, 1.0, [4] * 10, seed=0)
+    with pytest.raises(ValueError, match="abort_fraction"):
+        BenchmarkConfig("http://x", abort_fraction=1.5)
 
 
 def test_table_and_dict_keys() -> None:

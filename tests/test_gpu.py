@@ -75,11 +75,11 @@ def test_batch_chunking_and_preemption_keep_outputs_on_cuda(tiny_llama_dir, kv_f
     tight = cuda_llm(tiny_llama_dir, kv_cache_memory=12 * block_bytes, preemption=preemption,
                      swap_space=24 * block_bytes / 2**30, max_num_batched_tokens=16,
                      kv_cache_dtype=kv_cache_dtype)
-    assert tight.stats()["kv_blocks_total"] == 12
+    assert tight.stats().kv_blocks_total == 12
     assert ids(tight.generate([{"prompt_token_ids": p} for p in batch], GREEDY)) == together
     stats = tight.stats()
-    assert stats["num_preemptions"] > 0
-    assert (stats["num_swapped_blocks"] > 0) == (preemption == "swap")
+    assert stats.num_preemptions > 0
+    assert (stats.num_swapped_blocks > 0) == (preemption == "swap")
     kv_free(tight)
 
 

@@ -44,7 +44,7 @@ def prompts64() -> list[dict[str, list[int]]]:
 def unconstrained(tiny_llama_dir, prompts64, kv_free) -> list[list[int]]:
     llm = tiny(tiny_llama_dir, kv_cache_memory=512 * BLOCK_BYTES)
     outputs = llm.generate(prompts64, GREEDY)
-    assert llm.stats()["num_preemptions"] == 0
+    assert llm.stats().num_preemptions == 0
     kv_free(llm)
     return token_ids(outputs)
 
@@ -56,16 +56,16 @@ def test_64_requests_in_a_few_sequences_of_kv_match_an_unconstrained_run(
     # 12 blocks of 16 tokens; a request needs up to 5 (60 + 16 tokens): a few sequences fit.
     llm = tiny(tiny_llama_dir, kv_cache_memory=12 * BLOCK_BYTES, preemption=preemption,
                swap_space=24 * BLOCK_BYTES / 2**30)
-    assert llm.stats()["kv_blocks_total"] == 12
+    assert llm.stats().kv_blocks_total == 12
     outputs = llm.generate(prompts64, GREEDY)
     assert token_ids(outputs) == unconstrained
     stats = llm.stats()
-    assert 0 < stats["num_preemptions"] <= 4 * len(prompts64), stats
+    assert 0 < stats.num_preemptions <= 4 * len(prompts64), stats
     assert all(o.metrics.num_preemptions <= 16 for o in outputs)
     if preemption == "swap":
-        assert stats["num_swapped_blocks"] > 0
+        assert stats.num_swapped_blocks > 0
     else:
-        assert stats["num_swapped_blocks"] == 0 and stats["num_preempted_tokens"] > 0
+        assert stats.num_swapped_blocks == 0 and stats.num_preempted_tokens > 0
     kv_free(llm)
 
 
@@ -80,7 +80,7 @@ def test_int8_kv_cache_halves_the_bytes_and_keeps_outputs_batch_invariant(
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
     assert roomy.engine.kv_layout.bytes_per_token == per_token
     assert roomy.engine.runner.kv_caches.dtype == torch.int8
-    assert roomy.stats()["kv_blocks_total"] == (1 << 20) // (per_token * 16)
+    assert roomy.stats().kv_blocks_total == (1 << 20) // (per_token * 16)
     alone = [token_ids(roomy.generate(p, GREEDY))[0] for p in prompts64[:4]]
     together = token_ids(roomy.generate(prompts64, GREEDY))
     assert together[:4] == alone
@@ -90,7 +90,7 @@ def test_int8_kv_cache_halves_the_bytes_and_keeps_outputs_batch_invariant(
                      kv_cache_memory=12 * 16 * per_token, swap_space=24 * 16 * per_token / 2**30,
                      max_num_batched_tokens=16)
         assert token_ids(tight.generate(prompts64, GREEDY)) == together
-        assert tight.stats()["num_preemptions"] > 0
+        assert tight.stats().num_preemptions > 0
         kv_free(tight)
 
 
@@ -201,14 +201,14 @@ def test_shared_system_prompt_hits_the_cache_and_outputs_match_uncached(
     tiny_kv = functools.partial(tiny, kv_cache_dtype=kv_cache_dtype)
     uncached = tiny_kv(tiny_llama_dir, enable_prefix_caching=False)
     want = token_ids(uncached.generate(system_prompted, params))
-    assert uncached.stats()["prefix_cache_hits"] == 0
+    assert uncached.stats().prefix_cache_hits == 0
     kv_free(uncached)
     cached = tiny_kv(tiny_llama_dir)
     first = cached.generate(system_prompted[:1], params)  # warms the cache
     rest = cached.generate(system_prompted[1:], params)
     assert token_ids(first + rest) == want
     stats = cached.stats()
-    hit_rate = stats["prefix_cache_hits"] / stats["prefix_cache_queries"]
+    hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries
     assert hit_rate > 0.75, stats
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= 192 for o in rest), [o.num_cached_tokens for o in rest]
@@ -279,22 +279,22 @@ def test_static_batching_admits_nothing_while_a_batch_is_unfinished(
     decoded = False
     batches = 0
     for step in llm.engine.step_trace or []:
-        new = {r for r, _, _ in step["scheduled"]} - started
+        new = {r for r, _, _ in step.scheduled} - started
         if new:
             assert not (decoded and batch), \
-                f"step {step['step']}: {sorted(new)} admitted while {sorted(batch)} unfinished"
+                f"step {step.step}: {sorted(new)} admitted while {sorted(batch)} unfinished"
             if not batch:
                 batches += 1
             batch |= new
             started |= new
-        decoded |= any(kind == "decode" for _, _, kind in step["scheduled"])
-        batch -= set(step["finished"])
+        decoded |= any(kind == "decode" for _, _, kind in step.scheduled)
+        batch -= set(step.finished)
         if not batch:
             decoded = False
     assert batches >= 3 and len(started) == 24
     continuous = tiny(tiny_llama_dir, max_num_seqs=8)
     assert token_ids(continuous.generate(prompts64[:24], params)) == token_ids(outputs)
-    assert continuous.stats()["num_steps"] < llm.stats()["num_steps"]
+    assert continuous.stats().num_steps < llm.stats().num_steps
     kv_free(llm)
     kv_free(continuous)
 
@@ -309,9 +309,9 @@ def test_reserve_allocation_limits_concurrency_versus_paged(
         outputs[mode] = token_ids(llm.generate(prompts64[:32], GREEDY))
         stats[mode] = llm.stats()
         kv_free(llm)
-    assert stats["reserve"]["kv_blocks_total"] == 64
-    assert stats["reserve"]["peak_num_requests_running"] == 64 // (256 // 16)
-    assert stats["paged"]["peak_num_requests_running"] >= 4 * 4
-    assert stats["reserve"]["peak_kv_utilization"] < 0.5 * stats["paged"]["peak_kv_utilization"]
-    assert stats["paged"]["peak_kv_utilization"] > 0.6
+    assert stats["reserve"].kv_blocks_total == 64
+    assert stats["reserve"].peak_num_requests_running == 64 // (256 // 16)
+    assert stats["paged"].peak_num_requests_running >= 4 * 4
+    assert stats["reserve"].peak_kv_utilization < 0.5 * stats["paged"].peak_kv_utilization
+    assert stats["paged"].peak_kv_utilization > 0.6
     assert outputs["reserve"] == outputs["paged"]

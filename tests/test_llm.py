@@ -86,16 +86,16 @@ def test_preemption_keeps_outputs(tiny_llama_dir, prompts, alone, kv_free) -> No
     # 12 blocks of 16 tokens for 32 requests of up to 76 tokens: preemptions are certain.
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,
               max_model_len=1024)
-    assert llm.stats()["kv_blocks_total"] == 12
+    assert llm.stats().kv_blocks_total == 12
     outputs = run_staggered(llm, prompts, GREEDY, per_step=8)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     _assert_same(outputs, alone)
     reference = {i: o.outputs[0].token_ids for i, o in
                  enumerate(run_staggered(llm, prompts, GREEDY, per_step=NUM_PROMPTS))}
     _assert_same(outputs, reference)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
-    assert sum(o.metrics.num_preemptions for o in outputs) <= llm.stats()["num_preemptions"]
+    assert sum(o.metrics.num_preemptions for o in outputs) <= llm.stats().num_preemptions
     for output in outputs:
         _assert_metrics_ordered(output)
     kv_free(llm)
@@ -111,7 +111,7 @@ def test_chunked_prefill_keeps_outputs(tiny_llama_dir, prompts, alone, kv_free) 
     outputs = run_staggered(llm, [long_prompt, *prompts], GREEDY, per_step=4)
     assert outputs[0].outputs[0].token_ids == long_alone.outputs[0].token_ids
     _assert_same(outputs[1:], alone)
-    assert llm.stats()["num_steps"] > sum(len(p) for p in prompts) // 16
+    assert llm.stats().num_steps > sum(len(p) for p in prompts) // 16
     kv_free(llm)
 
 
@@ -218,7 +218,7 @@ def _still_serves(llm: LLM) -> None:
     (out,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1))
     assert len(out.outputs[0].token_ids) == 1 and out.finished
     stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     llm.engine.check_integrity()
 
 
@@ -266,7 +266,7 @@ def test_bad_prompt_in_a_batch_queues_nothing(default_llm) -> None:
         default_llm.generate([good, {"prompt_token_ids": [42] * 1100}, good],
                              SamplingParams(max_tokens=2))
     stats = default_llm.stats()
-    assert stats["num_requests_waiting"] == 0 and stats["num_requests_running"] == 0
+    assert stats.num_requests_waiting == 0 and stats.num_requests_running == 0
     _still_serves(default_llm)
 
 

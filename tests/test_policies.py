@@ -66,18 +66,18 @@ def test_late_urgent_request_displaces_a_running_one_and_finishes_first(
     finished = []
     for _ in range(3):  # the batch is full (max_num_seqs=2) and decoding
         finished += [o.request_id for o in llm.engine.step() if o.finished]
-    assert llm.stats()["num_requests_running"] == 2
+    assert llm.stats().num_requests_running == 2
     urgent = prompt_ids(rng, 12)
     llm.engine.add_request({"prompt_token_ids": urgent}, SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True), request_id="urgent", priority=0)
     finished += drain(llm)
     assert finished[0] == "urgent", finished
     stats = llm.stats()
-    assert stats["num_preemptions"] >= 1
+    assert stats.num_preemptions >= 1
     trace = llm.engine.step_trace
-    first = next(s for s in trace if any(e[0] == "urgent" for e in s["scheduled"]))
-    assert first["step"] == 4, "the urgent request waited although it may displace"
-    assert any(p.startswith("low") for p in first["preempted"]), first
+    first = next(s for s in trace if any(e.request_id == "urgent" for e in s.scheduled))
+    assert first.step == 4, "the urgent request waited although it may displace"
+    assert any(p.startswith("low") for p in first.preempted), first
     kv_free(llm)
 
 
@@ -168,9 +168,9 @@ def _tenant_tokens(llm: LLM, users: dict[str, str]) -> Counter[str]:
     tokens: Counter[str] = Counter()
     tenants = set(users.values())
     for step in llm.engine.step_trace or []:
-        if {users[r] for r in step["waiting"]} != tenants:
+        if {users[r] for r in step.waiting} != tenants:
             continue
-        for request_id, num_tokens, _ in step["scheduled"]:
+        for request_id, num_tokens, _ in step.scheduled:
             tokens[users[request_id]] += num_tokens
     return tokens
 
@@ -205,7 +205,7 @@ def test_fcfs_lets_the_flooding_tenant_take_the_batch(tiny_llama_dir, kv_free) -
     llm = tiny(tiny_llama_dir, policy="fcfs", max_num_seqs=4)
     users = _fair_workload(llm, {"flood": 60, "light": 6})
     finished_light = max(i for i, s in enumerate(llm.engine.step_trace or [])
-                         if any(users[r] == "light" for r in s["finished"]))
+                         if any(users[r] == "light" for r in s.finished))
     assert finished_light > len(llm.engine.step_trace or []) * 0.8
     kv_free(llm)
 

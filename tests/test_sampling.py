@@ -197,6 +197,48 @@ def test_stop_string_included_on_request(default_llm, default_greedy, kv_free) -
     kv_free(default_llm)
 
 
+# The issue's prompt: greedy, its output starts ":" then a token of newline + 23 spaces, so
+# the stop string ":\n" begins in earlier text and ends inside a 24-character token.
+INDENTED_CODE_PROMPT = ("def check(a, b, c, d, e):\n    if a:\n        if b:\n            if c:\n"
+                        "                if d:\n                    if e:\n"
+                        "                        return 1\n                    else")
+
+
+def test_stop_string_ending_inside_a_long_token(default_llm, kv_free) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (free,) = default_llm.generate(INDENTED_CODE_PROMPT, params)
+    text = free.outputs[0].text
+    assert ":\n" in text  # the unstopped output holds the stop string
+    (out,) = default_llm.generate(INDENTED_CODE_PROMPT, params.replace(stop=(":\n",)))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == ":\n"
+    assert completion.text == text[:text.find(":\n")]
+    assert len(completion.token_ids) < 24
+    kv_free(default_llm)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_checker_finds_a_stop_string_ending_in_a_long_new_text(default_llm,
+                                                                    include) -> None:
+    """The checker alone, with the real tokenizer: ':' then one token of newline + 23+ spaces;
+    the stop string starts in the first token's text and ends 1 character into the second."""
+    from conveyor.engine.sequence import Sequence
+    from conveyor.request import Request, RequestStatus
+    from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
+
+    tokenizer = default_llm.get_tokenizer()
+    colon, indent = tokenizer.encode(":"), tokenizer.encode("\n" + " " * 23)
+    assert len(colon) == 1 and len(indent) == 1, (colon, indent)  # one long token
+    params = SamplingParams(stop=("never", ":\n"), include_stop_str_in_output=include)
+    request = Request("r", [1, 2], params, status=RequestStatus.RUNNING)
+    seq = Sequence(0, request, IncrementalDetokenizer(tokenizer, [1, 2]))
+    for token in colon + indent:
+        request.append_output_token(token)
+        found = seq.add_token(token, None)
+    assert found == ":\n" and seq.stop_reason == ":\n"
+    assert seq.text == (":\n" if include else "")
+
+
 def test_stop_token_ids(default_llm, default_greedy, kv_free) -> None:
     ids, _ = default_greedy
     tokenizer = default_llm.get_tokenizer()
@@ -270,13 +312,13 @@ LONG_PROMPT = [(i * 37) % 400 + 2 for i in range(40)]  # 2.5 blocks of 16: 2 ful
 
 
 def test_n_seeded_samples_differ_and_share_the_prompt(tiny_llm, kv_free) -> None:
-    before = tiny_llm.stats()["prefix_cache_hits"]
+    before = tiny_llm.stats().prefix_cache_hits
     (out,) = tiny_llm.generate({"prompt_token_ids": LONG_PROMPT}, SamplingParams(
         n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True))
     assert [c.index for c in out.outputs] == [0, 1]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
-    assert tiny_llm.stats()["prefix_cache_hits"] > before
+    assert tiny_llm.stats().prefix_cache_hits > before
     assert out.finished
     kv_free(tiny_llm)
 

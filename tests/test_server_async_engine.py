@@ -8,6 +8,7 @@ and an idle loop that sleeps instead of spinning.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from conveyor.engine.async_engine import (
     EngineDeadError,
     QueueFullError,
 )
+from conveyor.engine.stats import FINISH_REASONS, EngineStats
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -46,10 +48,15 @@ class ScriptedEngine:
     def check_token_ids(self, ids: list[int], field: str) -> None:
         pass
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         self.num_stats_calls += 1
-        return {"num_requests_running": len(self.requests), "num_requests_waiting": 0,
-                "kv_cache_usage": 0.0}
+        return EngineStats(
+            kv_blocks_total=1, kv_blocks_free=1, kv_cache_usage=0.0, num_preemptions=0,
+            num_preempted_tokens=0, num_requests_running=len(self.requests),
+            num_requests_waiting=0, num_steps=self.num_steps, num_swapped_blocks=0,
+            peak_num_requests_running=0, peak_kv_utilization=0.0, prefix_cache_queries=0,
+            prefix_cache_hits=0, num_prompt_tokens=0, num_generation_tokens=0,
+            finished_by_reason=dict.fromkeys(FINISH_REASONS, 0))
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str,
                     priority: int = 0, user: str | None = None) -> str:
@@ -152,14 +159,14 @@ def test_queue_limit_counts_only_requests_beyond_free_slots():
         fake = ScriptedEngine()
         engine = AsyncEngine(fake, max_queued_requests=1)  # type: ignore[arg-type]
         engine.start()
-        idle = {**engine.stats, "num_requests_running": 0}
-        engine.stats = {**idle, "num_requests_waiting": 4}  # all four take the free slots
+        idle = dataclasses.replace(engine.stats, num_requests_running=0)
+        engine.stats = dataclasses.replace(idle, num_requests_waiting=4)  # all four take slots
         stream = await engine.add_request([1], SamplingParams(max_tokens=1), "a")
         assert [o.finished async for o in stream] == [True]
-        busy = {**idle, "num_requests_running": 3, "num_requests_waiting": 1}
+        busy = dataclasses.replace(idle, num_requests_running=3, num_requests_waiting=1)
         engine.stats = busy  # one free slot, one waiting for it: the next one would queue
         await (await engine.add_request([1], SamplingParams(max_tokens=1), "b")).__anext__()
-        engine.stats = {**busy, "num_requests_waiting": 2}  # one queued already: full
+        engine.stats = dataclasses.replace(busy, num_requests_waiting=2)  # one queued: full
         with pytest.raises(QueueFullError) as info:
             await engine.add_request([1], SamplingParams(), "c")
         assert info.value.retry_after_s >= 1

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the step it ran in failed (kernel error, out of memory, a bug)
 
     @property
     def finished(self) -> bool:
@@ -27,7 +28,8 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop",
                 RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass

@@ -40,6 +40,7 @@ class RequestRecord:
     start_time: float = 0.0  # s, perf_counter when the request was sent
     end_time: float = 0.0  # s, perf_counter when its stream ended (or it failed)
     error: str | None = None  # first error message of a failed request
+    aborted: bool = False  # the client cancelled it on purpose (--abort-fraction): no latency
 
     @property
     def tpot(self) -> float | None:
@@ -64,7 +65,8 @@ class BenchmarkMetrics:
     """Aggregates of one benchmark run."""
 
     completed: int  # successful requests
-    failed: int
+    failed: int  # requests that failed (aborted ones are not failures)
+    aborted: int  # requests the client cancelled mid-stream on purpose (--abort-fraction)
     duration_s: float  # wall time from the first send to the last stream's end
     total_input_tokens: int  # over successful requests
     total_output_tokens: int
@@ -142,8 +144,11 @@ def compute_metrics(
     percentiles: Sequence[float] = (99.0,),
     goodput_slos_ms: dict[str, float] | None = None,
 ) -> BenchmarkMetrics:
-    """Aggregate per-request records of a run that took `duration_s` seconds."""
-    ok = [r for r in records if r.success]
+    """Aggregate per-request records of a run that took `duration_s` seconds.
+
+    Aborted requests count only as aborted: no tokens, no latencies, not failed."""
+    ok = [r for r in records if r.success and not r.aborted]
+    aborted = sum(r.aborted for r in records)
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     rate = 1.0 / duration_s if duration_s > 0 else 0.0
@@ -153,7 +158,8 @@ def compute_metrics(
         goodput = sum(meets_slos(r, goodput_slos_ms) for r in ok) * rate
     return BenchmarkMetrics(
         completed=len(ok),
-        failed=len(records) - len(ok),
+        failed=len(records) - len(ok) - aborted,
+        aborted=aborted,
         duration_s=duration_s,
         total_input_tokens=total_in,
         total_output_tokens=total_out,
@@ -179,6 +185,7 @@ def metrics_to_dict(metrics: BenchmarkMetrics) -> dict[str, Any]:
     out: dict[str, Any] = {
         "completed": metrics.completed,
         "failed": metrics.failed,
+        "aborted": metrics.aborted,
         "duration": metrics.duration_s,
         "total_input_tokens": metrics.total_input_tokens,
         "total_output_tokens": metrics.total_output_tokens,
@@ -215,6 +222,7 @@ def format_table(metrics: BenchmarkMetrics) -> str:
         " Serving Benchmark Result ".center(TABLE_WIDTH, "="),
         _row("Successful requests:", metrics.completed),
         _row("Failed requests:", metrics.failed),
+        *([_row("Aborted requests:", metrics.aborted)] if metrics.aborted else []),
         _row("Benchmark duration (s):", metrics.duration_s),
         _row("Total input tokens:", metrics.total_input_tokens),
         _row("Total generated tokens:", metrics.total_output_tokens),

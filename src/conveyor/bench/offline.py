@@ -79,8 +79,8 @@ def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
         num_requests=len(outputs), duration_s=duration,
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
-        num_steps=after["num_steps"] - before["num_steps"],
-        num_preemptions=after["num_preemptions"] - before["num_preemptions"])
+        num_steps=after.num_steps - before.num_steps,
+        num_preemptions=after.num_preemptions - before.num_preemptions)
 
 
 @torch.inference_mode()

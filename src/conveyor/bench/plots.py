@@ -22,7 +22,9 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-Trace = list[dict[str, Any]]
+from conveyor.engine.stats import StepTrace  # noqa: E402
+
+Trace = Sequence[StepTrace]
 
 # Timeline cell categories: (value in the matrix, legend label, colour).
 IDLE, WAITING, PREFILL, DECODE, PREEMPTED, STALLED = range(6)
@@ -42,9 +44,9 @@ def _request_order(traces: Sequence[Trace]) -> list[str]:
     seen: dict[str, None] = {}
     for trace in traces:
         for step in trace:
-            for rid, _, _ in step["scheduled"]:
+            for rid, _, _ in step.scheduled:
                 seen.setdefault(rid, None)
-            for rid in step["waiting"]:
+            for rid in step.waiting:
                 seen.setdefault(rid, None)
     return sorted(seen, key=lambda r: (0, int(r), r) if r.isdigit() else (1, 0, r))
 
@@ -56,14 +58,14 @@ def timeline_matrix(trace: Trace, requests: Sequence[str]) -> np.ndarray:
     first: dict[str, int] = {}
     last_finish: dict[str, int] = {}
     for col, step in enumerate(trace):
-        for rid in step["waiting"]:
+        for rid in step.waiting:
             matrix[row[rid], col] = WAITING
-        for rid, _, kind in step["scheduled"]:
+        for rid, _, kind in step.scheduled:
             matrix[row[rid], col] = PREFILL if kind == "prefill" else DECODE
             first.setdefault(rid, col)
-        for rid in step["preempted"]:
+        for rid in step.preempted:
             matrix[row[rid], col] = PREEMPTED
-        for rid in step["finished"]:
+        for rid in step.finished:
             last_finish[rid] = col
     # Between its first step and its finish, a request absent from a step was running but
     # got no tokens (the step's token budget ran out before it).
@@ -104,10 +106,10 @@ def plot_kv_usage(traces: Mapping[str, Trace], path: str | Path,
     for label, trace in traces.items():
         if not trace:
             continue
-        t0 = trace[0]["time"]
-        times = [s["time"] + s["duration"] - t0 for s in trace]
-        ax.step(times, [s["kv_blocks_used"] for s in trace], where="post", label=label)
-        total = max(total, trace[0]["kv_blocks_total"])
+        t0 = trace[0].time
+        times = [s.time + s.duration - t0 for s in trace]
+        ax.step(times, [s.kv_blocks_used for s in trace], where="post", label=label)
+        total = max(total, trace[0].kv_blocks_total)
     if total:
         ax.axhline(total, color="#888888", linestyle="--", linewidth=1,
                    label=f"KV cache size ({total} blocks)")

@@ -3,12 +3,14 @@
 Requests are sent with streaming on (``stream_options.include_usage``) at Poisson or gamma
 arrival times, optionally under a concurrency cap; each stream is timed chunk by chunk.
 A request that fails (HTTP error, broken connection, error chunk) becomes a failed record;
-it never stops the run.
+it never stops the run. With ``abort_fraction`` the client cancels that share of the streams
+(chosen by the seed) after a random number of chunks, as users do, for soaks with aborts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -56,6 +58,7 @@ class BenchmarkConfig:
     percentiles: tuple[float, ...] = (99.0,)  # latency percentiles to report
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)  # "ttft"/"tpot"/"e2el"
     show_progress: bool = True
+    abort_fraction: float = 0.0  # share of streams cancelled mid-stream (seeded), 0..1
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -68,6 +71,8 @@ class BenchmarkConfig:
             raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not 0.0 <= self.abort_fraction <= 1.0:
+            raise ValueError(f"abort_fraction must be in [0, 1], got {self.abort_fraction}")
         if any(not 0 <= p <= 100 for p in self.percentiles):
             raise ValueError(f"percentiles must be in [0, 100], got {self.percentiles}")
         if self.chat and self.dataset.name == "reference":
@@ -109,6 +114,7 @@ class BenchmarkResult:
             "burstiness": cfg.burstiness,
             "max_concurrency": cfg.max_concurrency,
             "ignore_eos": cfg.ignore_eos,
+            "abort_fraction": cfg.abort_fraction,
             **metrics_to_dict(self.metrics),
             "first_error": self.first_error,
             "requests": [record_to_dict(r) for r in self.records],
@@ -176,38 +182,69 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
         yield data
 
 
-async def send_request(
-    client: httpx.AsyncClient, config: BenchmarkConfig, model: str, request: SampleRequest
-) -> RequestRecord:
-    """Send one streamed request and time it; every failure becomes a failed record."""
-    record = RequestRecord(success=False, prompt_len=request.prompt_len_hint)
-    payload = build_payload(config, model, request)
-    start = last = time.perf_counter()
-    record.start_time = start
+def abort_points(num_requests: int, fraction: float, output_lens: Sequence[int],
+                 seed: int) -> list[int | None]:
+    """Per request, the number of content chunks after which the client cancels it (0: as
+    soon as the response starts), or None; round(fraction * n) requests, chosen by `seed`."""
+    rng = np.random.default_rng([seed, 1])  # apart from the arrival times' stream
+    points: list[int | None] = [None] * num_requests
+    chosen = rng.choice(num_requests, size=round(fraction * num_requests), replace=False)
+    for i in sorted(int(c) for c in chosen):
+        points[i] = int(rng.integers(0, max(output_lens[i], 1)))
+    return points
+
+
+async def _read_stream(response: httpx.Response, record: RequestRecord, chat: bool,
+                       abort_after: int | None) -> tuple[int, dict[str, Any] | None]:
+    """Time the chunks of one SSE stream into `record`: (content chunks, usage). Stops
+    reading (the caller then closes the connection) after `abort_after` content chunks."""
     num_content_chunks = 0
     usage: dict[str, Any] | None = None
+    last = record.start_time
+    record.aborted = abort_after == 0
+    if record.aborted:
+        return 0, None
+    async for data in _sse_data(response):
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"error chunk: {json.dumps(chunk['error'])[:MAX_ERROR_CHARS]}")
+        now = time.perf_counter()
+        if chunk_text(chunk, chat):
+            if num_content_chunks == 0:
+                record.ttft = now - record.start_time
+            else:
+                record.itl.append(now - last)
+            num_content_chunks += 1
+            last = now
+        usage = chunk.get("usage") or usage
+        if abort_after is not None and num_content_chunks >= abort_after:
+            record.aborted = True
+            break
+    return num_content_chunks, usage
+
+
+async def send_request(
+    client: httpx.AsyncClient, config: BenchmarkConfig, model: str, request: SampleRequest,
+    abort_after: int | None = None,
+) -> RequestRecord:
+    """Send one streamed request and time it; every failure becomes a failed record.
+    With `abort_after`, cancel it after that many content chunks (an aborted record)."""
+    record = RequestRecord(success=False, prompt_len=request.prompt_len_hint)
+    payload = build_payload(config, model, request)
+    start = time.perf_counter()
+    record.start_time = start
     try:
         url = f"{config.base_url}{config.endpoint}"
         async with client.stream("POST", url, json=payload, headers=_headers(config)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {response.status_code}: {body[:MAX_ERROR_CHARS]}")
-            async for data in _sse_data(response):
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    message = json.dumps(chunk["error"])[:MAX_ERROR_CHARS]
-                    raise RuntimeError(f"error chunk: {message}")
-                now = time.perf_counter()
-                if chunk_text(chunk, config.chat):
-                    if num_content_chunks == 0:
-                        record.ttft = now - start
-                    else:
-                        record.itl.append(now - last)
-                    num_content_chunks += 1
-                    last = now
-                usage = chunk.get("usage") or usage
+            num_content_chunks, usage = await _read_stream(response, record, config.chat,
+                                                           abort_after)
         record.end_time = time.perf_counter()
         record.latency = record.end_time - start
+        if record.aborted:
+            return record
         if num_content_chunks == 0:
             raise RuntimeError("the stream carried no generated text (no TTFT to measure)")
         record.output_tokens = int(usage["completion_tokens"]) if usage else num_content_chunks
@@ -254,15 +291,19 @@ async def run_benchmark(
         semaphore = asyncio.Semaphore(config.max_concurrency or len(requests))
         progress = tqdm(total=len(requests), disable=not config.show_progress, unit="req")
 
-        async def limited(request: SampleRequest) -> RequestRecord:
+        cancel_after = abort_points(len(requests), config.abort_fraction,
+                                    [r.output_len for r in requests], config.seed)
+        index = itertools.count()  # arrivals yields the requests in order
+
+        async def limited(request: SampleRequest, abort_after: int | None) -> RequestRecord:
             async with semaphore:
-                record = await send_request(client, config, model, request)
+                record = await send_request(client, config, model, request, abort_after)
             progress.update(1)
             return record
 
         start = time.perf_counter()
         tasks = [
-            asyncio.create_task(limited(r))
+            asyncio.create_task(limited(r, cancel_after[next(index)]))
             async for r in arrivals(requests, config.request_rate, config.burstiness, config.seed)
         ]
         records = list(await asyncio.gather(*tasks))

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--ignore-eos", action="store_true",
                       help="send ignore_eos: true, so every request generates max_tokens")
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--abort-fraction", type=float, default=0.0,
+                      help="cancel this share of the streams after a random number of chunks "
+                           "(seeded; counted apart, out of the latencies): a soak with aborts")
 
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", default="random", choices=DATASET_NAMES)
@@ -116,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=_parse_percentiles(args.metric_percentiles),
         goodput_slos_ms=parse_goodput(args.goodput or []),
-        show_progress=not args.no_progress,
+        show_progress=not args.no_progress, abort_fraction=args.abort_fraction,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs
 from conveyor.engine.llm import LLM
+from conveyor.engine.stats import EngineStats, StepTrace
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -86,12 +87,12 @@ class RunResult:
 
     duration_s: float
     outputs: list[RequestOutput]
-    stats: dict[str, Any]  # engine stats after the run (peaks cover the run only if fresh)
+    stats: EngineStats  # engine stats after the run (peaks cover the run only if fresh)
     num_steps: int
     num_preemptions: int
     prefix_cache_hits: int  # prompt tokens found in the prefix cache during this run
     prefix_cache_queries: int  # prompt tokens looked up during this run
-    trace: list[dict[str, Any]] | None  # the engine's step trace of this run, if recorded
+    trace: list[StepTrace] | None  # the engine's step trace of this run, if recorded
 
     @property
     def output_tokens(self) -> int:
@@ -126,8 +127,8 @@ class RunResult:
             "num_steps": self.num_steps, "num_preemptions": self.num_preemptions,
             "mean_ttft_ms": _mean_ms(ttft), "median_e2el_ms": _median_ms(e2e),
             "mean_e2el_ms": _mean_ms(e2e), "mean_tpot_ms": _mean_ms(tpot),
-            "peak_num_requests_running": self.stats["peak_num_requests_running"],
-            "peak_kv_utilization": self.stats["peak_kv_utilization"],
+            "peak_num_requests_running": self.stats.peak_num_requests_running,
+            "peak_kv_utilization": self.stats.peak_kv_utilization,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_queries": self.prefix_cache_queries,
         }
@@ -174,9 +175,8 @@ def run_requests(llm: LLM, requests: Requests) -> RunResult:
     engine.check_integrity()
     trace = None if engine.step_trace is None else list(engine.step_trace[trace_start:])
     return RunResult(duration_s=duration, outputs=outputs, stats=after,
-                     num_steps=after["num_steps"] - before["num_steps"],
-                     num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                     prefix_cache_hits=after["prefix_cache_hits"] - before["prefix_cache_hits"],
-                     prefix_cache_queries=(after["prefix_cache_queries"]
-                                           - before["prefix_cache_queries"]),
+                     num_steps=after.num_steps - before.num_steps,
+                     num_preemptions=after.num_preemptions - before.num_preemptions,
+                     prefix_cache_hits=after.prefix_cache_hits - before.prefix_cache_hits,
+                     prefix_cache_queries=after.prefix_cache_queries - before.prefix_cache_queries,
                      trace=trace)

@@ -89,7 +89,8 @@ class Scheduler:
         return aborted
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish running requests from outside (a stop string found by the detokenizer)."""
+        """Finish live requests from outside (a stop string found by the detokenizer, a
+        failed step); unknown or finished ids are ignored."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:

@@ -12,6 +12,7 @@ falls behind reads fewer, larger updates instead of a growing queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -34,11 +36,20 @@ THREAD_JOIN_TIMEOUT_S = 10.0
 
 # Called in the loop thread after every loop iteration: (outputs of this iteration, including
 # aborted requests' final outputs; the engine's stats snapshot; time.time() at the end).
-StepListener = Callable[[list[RequestOutput], dict[str, Any], float], None]
+StepListener = Callable[[list[RequestOutput], EngineStats, float], None]
 
 
 class EngineDeadError(RuntimeError):
     """A step raised: the engine can serve no more requests (health turns 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step that ran this request failed (the engine logged why); the engine and
+    the other requests go on. An internal error (HTTP 500), not the client's fault."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"internal error: request {request_id} failed inside an engine step")
+        self.request_id = request_id
 
 
 class EngineStoppedError(RuntimeError):
@@ -90,6 +101,7 @@ class RequestStream:
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
+        self.finished = True  # nothing left to abort
         self._event.set()
 
     # -- the consumer's side
@@ -136,8 +148,10 @@ class AsyncEngine:
         self._num_unapplied_seqs = 0
         self._accepting = True
         self.dead_error: BaseException | None = None
+        # Called on the event loop once the engine died (`conveyor serve` exits non-zero).
+        self.on_dead: Callable[[BaseException], None] | None = None
         # Read by the event loop, replaced (never mutated) by the loop thread.
-        self.stats: dict[str, Any] = engine.stats()
+        self.stats: EngineStats = engine.stats()
         self.peak_num_running = 0
 
     # ------------------------------------------------------------------ read-only engine info
@@ -274,8 +288,8 @@ class AsyncEngine:
         with self._cond:
             stats, unapplied = self.stats, self._num_unapplied_seqs
         free_slots = self.engine.scheduler_config.max_num_seqs - int(
-            stats["num_requests_running"])
-        waiting = int(stats["num_requests_waiting"]) + unapplied + num_new_seqs
+            stats.num_requests_running)
+        waiting = stats.num_requests_waiting + unapplied + num_new_seqs
         return max(waiting - max(free_slots, 0), 0)
 
     def _submit(self, command: _Add | _Abort) -> None:
@@ -329,12 +343,12 @@ class AsyncEngine:
             self._to_loop(_resolve, done, error)
         return outputs
 
-    def _snapshot(self, applied_seqs: int = 0) -> dict[str, Any]:
+    def _snapshot(self, applied_seqs: int = 0) -> EngineStats:
         """Publish the engine's stats; `applied_seqs` sequences added since the last one
         are now in them, no longer unapplied."""
         stats = self.engine.stats()
-        self.peak_num_running = max(self.peak_num_running, int(stats["num_requests_running"]))
-        stats["peak_num_requests_running"] = self.peak_num_running
+        self.peak_num_running = max(self.peak_num_running, stats.num_requests_running)
+        stats = dataclasses.replace(stats, peak_num_requests_running=self.peak_num_running)
         with self._cond:
             self.stats = stats
             self._num_unapplied_seqs -= applied_seqs
@@ -359,6 +373,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._to_loop(_resolve, command.done, dead)
         self._to_loop(self._fail_all, dead)
+        if self.on_dead is not None:
+            self._to_loop(self.on_dead, error)
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None or self._loop.is_closed():
@@ -374,7 +390,10 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream._put(output)
+            if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                stream._fail(RequestFailedError(output.request_id))
+            else:
+                stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
 

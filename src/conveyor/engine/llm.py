@@ -7,6 +7,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine, PromptType
+from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class LLM:
                             tokenizer.encode_chat(conversation, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """KV blocks total/free, preemptions, running and waiting requests, and more."""
         return self.engine.stats()
 

@@ -2,7 +2,8 @@
 
 ``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
 (the server) drive it. Bad input raises ``ValueError`` from ``add_request`` and never reaches
-the scheduler, so one bad request cannot disturb the others.
+the scheduler, so one bad request cannot disturb the others; a forward pass that raises
+ends only the requests it ran (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
+from conveyor.engine.stats import FINISH_REASONS, EngineStats, ScheduledEntry, StepTrace
 from conveyor.model.device import resolve_device, resolve_dtype
 from conveyor.model.llama import build_model
 from conveyor.model.loader import load_checkpoint
@@ -30,6 +33,11 @@ from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
+
+# Failed steps in a row after which the engine gives up (step() raises): a device or a bug
+# that fails every step would otherwise turn every request into an error while the engine
+# still accepts them.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 def served_name(model: str | None, path: str) -> str:
@@ -66,11 +74,12 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
-        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_consecutive_step_failures = 0
         # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
-        self.step_trace: list[dict[str, Any]] | None = [] if args.step_trace else None
+        self.step_trace: list[StepTrace] | None = [] if args.step_trace else None
         logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
@@ -80,32 +89,35 @@ class LLMEngine:
     def capacity_summary(self) -> str:
         layout, max_len = self.kv_layout, self.scheduler_config.max_model_len
         fits = layout.num_tokens / max_len
+        swap = (f"; swap space: {layout.num_swap_blocks} blocks, "
+                f"{layout.num_swap_bytes / 2**20:.1f} MiB of host memory"
+                if layout.num_swap_blocks else "")
         return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
                 f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
                 f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
-                f"max_model_len={max_len} fit")
+                f"max_model_len={max_len} fit{swap} (all of it written at start)")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
         prefix = kv.pool.stats
-        return {
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage,
-            "num_preemptions": sched.stats.num_preemptions,
-            "num_preempted_tokens": sched.stats.num_preempted_tokens,
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
-            "num_steps": sched.stats.num_steps,
-            "num_swapped_blocks": sched.stats.num_swapped_blocks,
-            "peak_num_requests_running": sched.stats.peak_running,
-            "peak_kv_utilization": sched.stats.peak_kv_utilization,
-            "prefix_cache_queries": prefix.queries,
-            "prefix_cache_hits": prefix.hits,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generation_tokens": self.num_generation_tokens,
-            "finished_by_reason": dict(self.finished_by_reason),
-        }
+        return EngineStats(
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=sched.stats.num_preemptions,
+            num_preempted_tokens=sched.stats.num_preempted_tokens,
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
+            num_steps=sched.stats.num_steps,
+            num_swapped_blocks=sched.stats.num_swapped_blocks,
+            peak_num_requests_running=sched.stats.peak_running,
+            peak_kv_utilization=sched.stats.peak_kv_utilization,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            finished_by_reason=dict(self.finished_by_reason),
+        )
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -194,16 +206,23 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); their blocks free at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        return self._end_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _end_requests(self, request_ids: Iterable[str],
+                      status: RequestStatus) -> list[RequestOutput]:
+        """Finish whole user requests (all n samples) with `status`; their final outputs."""
         outputs = []
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        for request_id in request_ids:
             group = self.groups.get(request_id)
             if group is None:
                 continue
             group.pending.clear()
-            self.scheduler.abort_requests([s.request.request_id for s in group.sequences])
+            self.scheduler.finish_requests([s.request.request_id for s in group.sequences],
+                                           status)
             for seq in group.sequences:
                 if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
+                    seq.finish_reason = status.finish_reason
             outputs.append(self._retire(group))
         return outputs
 
@@ -215,33 +234,77 @@ class LLMEngine:
         """Run one forward pass; return the outputs of requests that got new tokens."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as error:
+            return self._fail_step(scheduler_output, error)
+        self.num_consecutive_step_failures = 0
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None:
             self.step_trace.append(self._trace_step(scheduler_output, updated, start))
+        return self._emit(updated, runner_output)
+
+    def _emit(self, updated: list[Request], runner_output: ModelRunnerOutput
+              ) -> list[RequestOutput]:
+        """Detokenize and stop-check the new tokens; the outputs of the requests touched.
+        A request whose post-processing raises (a bug, a tokenizer error) ends alone with
+        finish_reason "error"."""
         touched: dict[str, RequestGroup] = {}
+        failed: list[RequestOutput] = []
         for request in updated:
-            group, seq = self._sequences[request.request_id]
-            self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+            entry = self._sequences.get(request.request_id)
+            if entry is None:
+                continue  # a sibling sample failed earlier in this loop: the group is gone
+            group, seq = entry
+            try:
+                self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+            except Exception:
+                logger.exception("request %s failed after its token", group.request_id)
+                touched.pop(group.request_id, None)
+                failed += self._end_requests([group.request_id], RequestStatus.FINISHED_ERROR)
+                continue
             touched[group.request_id] = group
-        return [self._retire(g) if g.finished else g.output() for g in touched.values()]
+        return failed + [self._retire(g) if g.finished else g.output()
+                         for g in touched.values()]
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The forward pass raised: end the requests it ran with finish_reason "error" and
+        free their blocks (their KV may be half-written), keep serving the others.
+
+        The scheduler's state is sound (``update`` did not run, so no block of this step
+        was published to the prefix cache); the runner drops the failed requests' state at
+        the next step. Raises after MAX_CONSECUTIVE_STEP_FAILURES failures in a row.
+        """
+        self.num_consecutive_step_failures += 1
+        failed = {s.request_id for s in out.scheduled}
+        if out.swap_out:  # the copy of the preempted requests' KV to host may not have run
+            failed |= out.preempted_request_ids
+        groups = {self._sequences[i][0].request_id for i in failed if i in self._sequences}
+        outputs = self._end_requests(sorted(groups), RequestStatus.FINISHED_ERROR)
+        if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self.num_consecutive_step_failures} engine steps failed in a "
+                               "row; the engine cannot continue") from error
+        logger.error("engine step %d failed; its %d request(s) end with finish_reason "
+                     "'error': %s", out.step_id, len(groups), sorted(groups), exc_info=error)
+        return outputs
 
     def _trace_step(self, out: SchedulerOutput, updated: list[Request],
-                    start: float) -> dict[str, Any]:
+                    start: float) -> StepTrace:
         """One step's decisions: who ran how many tokens (prefill or decode), who was
         preempted, who waited, who finished, and the KV blocks in use."""
         kv = self.scheduler.kv_cache
-        return {
-            "step": out.step_id, "time": start, "duration": time.perf_counter() - start,
-            "scheduled": [[s.request_id, s.num_new_tokens,
-                           "decode" if s.num_new_tokens == 1 and s.num_computed_tokens
-                           else "prefill"] for s in out.scheduled],
-            "preempted": sorted(out.preempted_request_ids),
-            "waiting": [r.request_id for r in self.scheduler.policy],
-            "finished": [r.request_id for r in updated if r.status.finished],
-            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-            "kv_blocks_total": kv.num_blocks,
-        }
+        return StepTrace(
+            step=out.step_id, time=start, duration=time.perf_counter() - start,
+            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens,
+                                           "decode" if s.num_new_tokens == 1
+                                           and s.num_computed_tokens else "prefill")
+                            for s in out.scheduled),
+            preempted=tuple(sorted(out.preempted_request_ids)),
+            waiting=tuple(r.request_id for r in self.scheduler.policy),
+            finished=tuple(r.request_id for r in updated if r.status.finished),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+        )
 
     def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
         request = seq.request

@@ -40,19 +40,24 @@ class Sequence:
             self.stop_reason = token_id
         if self.detokenizer is None:
             return None
+        checked_len = len(self.text)
         # An EOS / stop token's own text is not part of the output.
         if not stopped_on_token or params.include_stop_str_in_output:
             self.text += self.detokenizer.update([token_id])
         if status.finished:
             self.text += self.detokenizer.flush()  # even a trailing incomplete character
-        return self._find_stop_string(params)
+        return self._find_stop_string(params, checked_len)
 
-    def _find_stop_string(self, params: SamplingParams) -> str | None:
+    def _find_stop_string(self, params: SamplingParams, checked_len: int) -> str | None:
+        """The earliest stop string ending in the text past ``checked_len``; cuts the text.
+
+        ``text[:checked_len]`` held no stop string, so a new match ends past it and starts at
+        most ``len(stop) - 1`` characters before it, however long the new text (one token can
+        decode to 20+ characters: newline plus indentation).
+        """
         if not params.stop:
             return None
-        # Only the tail can hold a new match; the earlier text was checked before.
-        window = max(len(s) for s in params.stop) + 16
-        tail_start = max(len(self.text) - window, 0)
+        tail_start = max(checked_len - max(len(s) for s in params.stop) + 1, 0)
         best: tuple[int, str] | None = None
         for stop in params.stop:
             pos = self.text.find(stop, tail_start)

@@ -42,6 +42,10 @@ class KVCacheLayout:
     def num_bytes(self) -> int:
         return self.num_tokens * self.bytes_per_token
 
+    @property
+    def num_swap_bytes(self) -> int:
+        return self.num_swap_blocks * self.block_size * self.bytes_per_token
+
     @classmethod
     def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                     swap: bool = False) -> KVCacheLayout:
@@ -75,8 +79,14 @@ class ModelRunner:
             dtype, shape = kv_cache_shape(num_blocks, layout.block_size,
                                           cfg.num_key_value_heads, cfg.head_dim,
                                           layout.kv_cache_dtype, model.embed_tokens.weight.dtype)
-            return torch.zeros(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
-                               **kwargs)
+            tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
+                                 **kwargs)
+            # Pre-fault: write every page now. An allocator may hand out untouched pages
+            # (mmap, calloc) that the OS backs only when first written, i.e. as the free
+            # list cycles through the blocks under load: memory would then grow for hours
+            # and a machine without it would fail late. Written here, the memory the engine
+            # logs at start is the memory it holds, and too little fails at start.
+            return tensor.zero_()
 
         # [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
         # block_size * (D + 4)], see conveyor.ops.reference)

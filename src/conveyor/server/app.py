@@ -246,4 +246,4 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         """The engine's counters after its latest step (debugging; not part of OpenAI's API)."""
-        return {**engine.stats, "num_unfinished_requests": engine.num_unfinished}
+        return {**engine.stats.to_dict(), "num_unfinished_requests": engine.num_unfinished}

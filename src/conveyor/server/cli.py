@@ -93,5 +93,12 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
                                     log_level=config.uvicorn_log_level.lower(),
                                     timeout_keep_alive=config.timeout_keep_alive)
     server = GracefulServer(uvicorn_config, engine, config.shutdown_timeout)
+
+    def on_engine_dead(error: BaseException) -> None:
+        # Never a server that accepts requests it will never answer: stop, exit non-zero.
+        logger.error("the engine cannot continue; the server shuts down")
+        server.should_exit = True
+
+    engine.on_dead = on_engine_dead
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and engine.dead_error is None else 1

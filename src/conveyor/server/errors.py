@@ -18,7 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.async_engine import EngineDeadError, EngineStoppedError, QueueFullError
+from conveyor.engine.async_engine import (
+    EngineDeadError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,9 @@ def to_api_error(exc: BaseException, request_id: str) -> APIError:
     if isinstance(exc, EngineStoppedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error",
                         code="shutting_down")
+    if isinstance(exc, RequestFailedError):  # the engine logged the step's traceback
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "server_error",
+                        code="internal_error")
     return internal_error(exc, request_id)
 
 
@@ -149,5 +157,6 @@ def install_error_handlers(app: FastAPI) -> None:
     """
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
-    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError):
+    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineStoppedError,
+                 RequestFailedError):
         app.add_exception_handler(kind, _on_error)

@@ -98,5 +98,5 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)  # the cut responses end; the lifespan stops the engine
         stats = self.engine.stats
         logger.info("conveyor shut down: %d of %d KV blocks free, %d requests unfinished",
-                    stats["kv_blocks_free"], stats["kv_blocks_total"],
+                    stats.kv_blocks_free, stats.kv_blocks_total,
                     self.engine.num_unfinished)

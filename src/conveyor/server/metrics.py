@@ -12,10 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from conveyor.engine.stats import FINISH_REASONS, EngineStats
 from conveyor.outputs import RequestOutput
 
 PREFIX = "conveyor:"
-FINISH_REASONS = ("stop", "length", "abort")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -94,25 +94,23 @@ class ServerMetrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.prefix_queries, self.prefix_hits):
             metric.labels(model_name)
-        self._last_stats: dict[str, Any] = {}
+        self._last_counts: tuple[int, ...] = (0, 0, 0, 0, 0)  # _counts before any step
         # request_id -> (tokens generated so far, time of the last one): loop thread only.
         self._progress: dict[str, tuple[int, float]] = {}
 
-    def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], now: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, now: float) -> None:
         """Update everything from one loop iteration (called in the engine's loop thread)."""
         m = self._model
-        self.running.labels(m).set(stats["num_requests_running"])
-        self.waiting.labels(m).set(stats["num_requests_waiting"])
-        self.kv_usage.labels(m).set(stats["kv_cache_usage"])
-        for key, metric in (("num_prompt_tokens", self.prompt_tokens),
-                            ("num_generation_tokens", self.generation_tokens),
-                            ("num_preemptions", self.preemptions),
-                            ("prefix_cache_queries", self.prefix_queries),
-                            ("prefix_cache_hits", self.prefix_hits)):
-            delta = stats[key] - self._last_stats.get(key, 0)
-            if delta > 0:
-                metric.labels(m).inc(delta)
-        self._last_stats = stats
+        self.running.labels(m).set(stats.num_requests_running)
+        self.waiting.labels(m).set(stats.num_requests_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        counts = _counts(stats)
+        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions,
+                    self.prefix_queries, self.prefix_hits)  # in _counts' order
+        for metric, count, last in zip(counters, counts, self._last_counts, strict=True):
+            if count > last:
+                metric.labels(m).inc(count - last)
+        self._last_counts = counts
         for output in outputs:
             self._observe(output, now)
 
@@ -143,3 +141,9 @@ class ServerMetrics:
             self.inference_time.labels(m).observe(max(now - times.first_scheduled_time, 0.0))
         self.prompt_len.labels(m).observe(len(output.prompt_token_ids))
         self.generation_len.labels(m).observe(num_tokens)
+
+
+def _counts(stats: EngineStats) -> tuple[int, ...]:
+    """The cumulative engine counters the Prometheus counters follow."""
+    return (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_preemptions,
+            stats.prefix_cache_queries, stats.prefix_cache_hits)

@@ -1,0 +1,66 @@
+"""The engine's statistics and step trace as typed records, read by attribute.
+
+``LLMEngine.stats()`` returns an ``EngineStats`` snapshot and ``LLMEngine.step_trace`` holds
+one ``StepTrace`` per step. The server's metrics, ``/stats``, the benchmarks and the tests
+read fields by name, so a renamed field fails type checking, not a soak at runtime. Field
+names are the keys of the JSON that ``/stats`` and the benchmark reports print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# finish_reason values counted in EngineStats.finished_by_reason.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters and gauges after a step (cumulative since start)."""
+
+    kv_blocks_total: int  # device KV blocks
+    kv_blocks_free: int  # free device blocks (unreferenced prefix-cached blocks count as free)
+    kv_cache_usage: float  # share of device blocks in use, 0..1
+    num_preemptions: int  # requests preempted (recompute or swap)
+    num_preempted_tokens: int  # computed tokens thrown away by recompute preemption
+    num_requests_running: int  # sequences running now
+    num_requests_waiting: int  # sequences waiting now (new or preempted)
+    num_steps: int  # steps scheduled
+    num_swapped_blocks: int  # blocks copied to host memory by swap preemption
+    peak_num_requests_running: int  # most sequences running in one step
+    peak_kv_utilization: float  # at that peak: share of allocated KV slots holding tokens
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens found there
+    num_prompt_tokens: int  # prompt tokens of the requests added
+    num_generation_tokens: int  # tokens generated
+    # Finished sequences per finish_reason (FINISH_REASONS); a copy, never the engine's own.
+    finished_by_reason: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the field names as keys."""
+        return dataclasses.asdict(self)
+
+
+class ScheduledEntry(NamedTuple):
+    """One request's share of a traced step."""
+
+    request_id: str
+    num_new_tokens: int  # tokens computed for it in the step
+    kind: str  # "decode" (one token past its prompt) or "prefill" (a prompt or recompute chunk)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One step's scheduling decisions (recorded with the engine argument ``step_trace``)."""
+
+    step: int  # the scheduler's step id
+    time: float  # time.perf_counter() when the step began
+    duration: float  # seconds the step took (schedule, forward, update)
+    scheduled: tuple[ScheduledEntry, ...]  # who ran how many tokens, in batch order
+    preempted: tuple[str, ...]  # request ids preempted in this step (sorted)
+    waiting: tuple[str, ...]  # request ids waiting after the step, in the policy's order
+    finished: tuple[str, ...]  # request ids that finished in the step
+    kv_blocks_used: int  # device KV blocks in use after the step
+    kv_blocks_total: int  # device KV blocks
