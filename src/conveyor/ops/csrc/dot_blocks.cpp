@@ -39,9 +39,10 @@ namespace {
 
 constexpr int64_t kRows = 16;       // output rows of a record (one pair tile's lanes)
 constexpr int64_t kGroups = 4;      // records side by side in a task: 64 outputs
-constexpr int64_t kPass = 256;      // tokens per pass over a task's records
+constexpr int64_t kPass = 64;       // tokens per pass: their sums stay in L1 between blocks
 constexpr int kTokens = 3;          // 3 tokens x 4 records x 2 (block and total sums): 24 sums
 constexpr int64_t kStreamed = 3;    // up to this many tokens, records are read in place
+constexpr int kOuterTokens = 6;     // beyond: 6 tokens x 4 records of block sums at a time
 
 // Where a record's d (then m) begins.
 constexpr int64_t scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
@@ -91,18 +92,6 @@ struct Records {
     return record_halves(first[j] + b * stride + scale_offset(Type));
   }
   __m512 min(int64_t j, int64_t b) const { return record_halves(first[j] + b * stride + 288); }
-};
-
-// The same weights unpacked once per pass into pair words and float32 scales.
-struct Unpacked {
-  const uint32_t* pairs[kGroups];  // [blocks * 16][16] words
-  const float* scales[kGroups];    // [blocks][16]
-  const float* mins[kGroups];      // [blocks][16]
-  __m512bh pair(int64_t j, int64_t b, int64_t c) const {
-    return (__m512bh)_mm512_loadu_si512(pairs[j] + (b * 16 + c) * 16);
-  }
-  __m512 scale(int64_t j, int64_t b) const { return _mm512_loadu_ps(scales[j] + b * 16); }
-  __m512 min(int64_t j, int64_t b) const { return _mm512_loadu_ps(mins[j] + b * 16); }
 };
 
 struct Call {
@@ -162,27 +151,71 @@ void tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t
   }
 }
 
-// A task's records -> Unpacked buffers (pairs, scales, mins), in `buf`.
-template <int64_t Type>
-Unpacked unpack(const Records<Type>& r, int64_t blocks, std::vector<uint32_t>& buf) {
-  const int64_t pair_words = blocks * 256, scale_words = blocks * 16;
-  buf.resize(static_cast<size_t>(kGroups * (pair_words + 2 * scale_words)));
-  Unpacked u{};
-  for (int64_t j = 0; j < kGroups; ++j) {
-    uint32_t* pairs = buf.data() + j * (pair_words + 2 * scale_words);
-    auto* scales = reinterpret_cast<float*>(pairs + pair_words);
-    float* mins = scales + scale_words;
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t c = 0; c < 16; ++c)
-        _mm512_storeu_si512(pairs + (b * 16 + c) * 16, (__m512i)r.pair(j, b, c));
-      _mm512_storeu_ps(scales + b * 16, r.scale(j, b));
-      if constexpr (Type == kQ4_1) _mm512_storeu_ps(mins + b * 16, r.min(j, b));
+// One block's weights for a task: its records' pairs as bf16 words, and their scales.
+struct BlockWeights {
+  alignas(64) uint32_t pairs[kGroups][16][16];
+  __m512 scale[kGroups], min[kGroups];
+};
+
+// Tokens [m0, m0 + MR) (their sums at acc, [token][group][16] floats) take block b: the
+// same operations, in the same order, as block_tokens does for it.
+template <int64_t Type, int MR>
+void block_step(const Call& p, const BlockWeights& w, int64_t b, int64_t m0, float* acc) {
+  __m512 blk[MR][kGroups];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_setzero_ps();
+  const uint32_t* xr = p.x + m0 * p.pairs + b * 16;
+  for (int64_t c = 0; c < 16; ++c) {
+    __m512bh wv[kGroups];
+    for (int j = 0; j < kGroups; ++j) wv[j] = (__m512bh)_mm512_load_si512(w.pairs[j][c]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i * p.pairs + c]));
+      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
     }
-    u.pairs[j] = pairs;
-    u.scales[j] = scales;
-    u.mins[j] = mins;
   }
-  return u;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kGroups; ++j) {
+      float* a = acc + (i * kGroups + j) * 16;
+      __m512 sum = _mm512_fmadd_ps(blk[i][j], w.scale[j], _mm512_loadu_ps(a));
+      if constexpr (Type == kQ4_1)
+        sum = _mm512_fmadd_ps(w.min[j], _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), sum);
+      _mm512_storeu_ps(a, sum);
+    }
+}
+
+// Tokens [m0, m1) against a task's records, a block at a time: the block's records unpacked
+// once into L1, every token's sums kept in `acc` between blocks.
+template <int64_t Type>
+void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0, int64_t m0,
+                  int64_t m1, std::vector<float>& acc) {
+  acc.assign(static_cast<size_t>((m1 - m0) * kGroups * 16), 0.f);
+  BlockWeights w;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    for (int64_t j = 0; j < kGroups; ++j) {
+      for (int64_t c = 0; c < 16; ++c) _mm512_store_si512(w.pairs[j][c], (__m512i)r.pair(j, b, c));
+      w.scale[j] = r.scale(j, b);
+      if constexpr (Type == kQ4_1) w.min[j] = r.min(j, b);
+    }
+    for (int64_t m = m0; m < m1; m += kOuterTokens) {
+      float* a = acc.data() + (m - m0) * kGroups * 16;
+      switch (std::min<int64_t>(kOuterTokens, m1 - m)) {
+        case 1: block_step<Type, 1>(p, w, b, m, a); break;
+        case 2: block_step<Type, 2>(p, w, b, m, a); break;
+        case 3: block_step<Type, 3>(p, w, b, m, a); break;
+        case 4: block_step<Type, 4>(p, w, b, m, a); break;
+        case 5: block_step<Type, 5>(p, w, b, m, a); break;
+        default: block_step<Type, 6>(p, w, b, m, a); break;
+      }
+    }
+  }
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t col = n0 + j * kRows;
+      const __m512 bv = p.bias ? _mm512_loadu_ps(p.bias + col) : _mm512_setzero_ps();
+      const __m512 sum = _mm512_loadu_ps(acc.data() + ((m - m0) * kGroups + j) * 16);
+      _mm256_storeu_si256((__m256i*)(p.y + m * p.n + col),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bv)));
+    }
 }
 
 template <int64_t Type>
@@ -192,7 +225,7 @@ void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
   at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint32_t> buf;
+    std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
       const int64_t here = std::min(kGroups, groups - first);
@@ -203,7 +236,7 @@ void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
       if (m1 - m0 <= kStreamed)
         tokens<Type>(p, r, here, first * kRows, m0, m1);
       else
-        tokens<Type>(p, unpack(r, p.blocks, buf), here, first * kRows, m0, m1);
+        blocks_outer<Type>(p, r, here, first * kRows, m0, m1, acc);
     }
   });
 }
@@ -225,12 +258,8 @@ std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
 }  // namespace
 
 at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type) {
-  const BlockFormat f = block_format(type);
-  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
-              "pack_dot_blocks: expected uint8 [rows, blocks, ", f.block_bytes, "], got ",
-              raw.sizes(), " ", raw.scalar_type());
+  const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
   const int64_t n = raw.size(0), kb = raw.size(1);
-  TORCH_CHECK(n % kRows == 0, "pack_dot_blocks: rows must be a multiple of 16, got ", n);
   const at::Tensor src = raw.contiguous();
   at::Tensor out = at::zeros({n / kRows, kb, f.record_bytes}, raw.options());
   const uint8_t* r = src.data_ptr<uint8_t>();

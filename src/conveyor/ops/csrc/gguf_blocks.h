@@ -15,6 +15,7 @@
 // values are computed once per block and its 32 weights looked up with one vpermw.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -39,6 +40,16 @@ inline BlockFormat block_format(int64_t type) {
     default: TORCH_CHECK(false, "pack_block_weights: GGML type ", type,
                          " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
   }
+}
+
+// Checks raw GGUF blocks, uint8 [rows (a multiple of 16), blocks, block bytes], for `op`.
+inline BlockFormat check_raw_blocks(const at::Tensor& raw, int64_t type, const char* op) {
+  const BlockFormat f = block_format(type);
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
+              op, ": expected uint8 [rows, blocks, ", f.block_bytes, "], got ", raw.sizes(), " ",
+              raw.scalar_type());
+  TORCH_CHECK(raw.size(0) % 16 == 0, op, ": rows must be a multiple of 16, got ", raw.size(0));
+  return f;
 }
 
 // The type of a packed weight [N/16, K/32, record bytes], from its record size.

@@ -38,12 +38,8 @@ namespace {
 
 // raw: uint8 [N, K/32, block bytes], GGUF blocks in row order -> uint8 [N/16, K/32, record].
 at::Tensor pack_block_weights(const at::Tensor& raw, int64_t type) {
-  const BlockFormat f = block_format(type);
-  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
-              "pack_block_weights: expected uint8 [rows, blocks, ", f.block_bytes, "], got ",
-              raw.sizes(), " ", raw.scalar_type());
+  const BlockFormat f = check_raw_blocks(raw, type, "pack_block_weights");
   const int64_t n = raw.size(0), kb = raw.size(1);
-  TORCH_CHECK(n % 16 == 0, "pack_block_weights: rows must be a multiple of 16, got ", n);
   const at::Tensor src = raw.contiguous();
   at::Tensor out = at::empty({n / 16, kb, f.record_bytes}, raw.options());
   const uint8_t* r = src.data_ptr<uint8_t>();
