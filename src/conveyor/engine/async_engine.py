@@ -271,8 +271,8 @@ class AsyncEngine:
 
     def _check_accepting(self, num_seqs: int) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine failed and serves no more requests: "
-                                  f"{self.dead_error!r}")
+            # The client learns that, not why: the traceback is in the server's log.
+            raise EngineDeadError("the engine failed and serves no more requests")
         if not self._accepting or self._thread is None:
             raise EngineStoppedError("the server is shutting down")
         limit = self.max_queued_requests
@@ -368,7 +368,7 @@ class AsyncEngine:
         self.dead_error = error
         with self._cond:
             commands, self._commands = self._commands, []
-        dead = EngineDeadError(f"the engine failed: {error!r}")
+        dead = EngineDeadError("the engine failed (the server's log says why)")
         for command in commands:
             if isinstance(command, _Add):
                 self._to_loop(_resolve, command.done, dead)
