@@ -7,10 +7,12 @@
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``). Each kernel replaces several
 torch ops (norm: 8, RoPE: 6, attention: 2 gathers + mask + SDPA) with one call that does no
 extra copies; the C++ namespace also has ``decode_layers``, every decoder layer of a
-decode-only step in one call (``CausalLM.forward`` uses it when present), and two AMX-tile
-kernels for bf16 on CPUs that have them (``amx_available``): ``quantized_linear``
-(``csrc/quant_linear.cpp``: decode matmuls that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place,
-bit-identical to oneDNN on the bf16 weights) and ``prefill_attention``
+decode-only step in one call (``CausalLM.forward`` uses it when present); for bf16 on CPUs
+with AMX (``amx_available``) ``quantized_linear`` (``csrc/quant_linear.cpp``: decode matmuls
+that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place, bit-identical to oneDNN on the bf16
+weights); with AVX512-BF16 and no AMX (``dot_kernels_available``) ``dot_linear``, every
+matmul at every batch size, on bf16 pair tiles or GGUF blocks (``csrc/dot_linear.cpp``,
+``csrc/dot_blocks.cpp``); and ``prefill_attention`` with either
 (``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
 and runs the reference. ``CONVEYOR_KERNELS=0`` selects
 the reference on CPU too.

@@ -1187,7 +1187,7 @@ TORCH_LIBRARY(conveyor, m) {
         "Tensor q, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? blocks, Tensor? bias) -> Tensor", &linear);
-  // For every backend: its weights are oneDNN-packed (MkldnnCPU) tensors, its ops are checked.
+  // For every backend: its weights are oneDNN-packed (MkldnnCPU) or pair tiles (dot_linear).
   m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor[] input_norms, "
         "Tensor[] post_norms, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, Tensor[] gate_up_w, "
