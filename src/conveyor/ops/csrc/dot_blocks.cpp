@@ -23,6 +23,7 @@
 
 #include "quant_linear.h"
 
+#include "dot_tiles.h"
 #include "gguf_blocks.h"
 #include "simd_math.h"
 
@@ -37,8 +38,6 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kRows = 16;       // output rows of a record (one pair tile's lanes)
-constexpr int64_t kGroups = 4;      // records side by side in a task: 64 outputs
 constexpr int64_t kPass = 64;       // tokens per pass: their sums stay in L1 between blocks
 constexpr int kTokens = 3;          // 3 tokens x 4 records x 2 (block and total sums): 24 sums
 constexpr int64_t kStreamed = 3;    // up to this many tokens, records are read in place
@@ -82,7 +81,7 @@ inline __m512 record_halves(const uint8_t* p) {
 // Weights read in place from a task's records (absent ones: a zero record).
 template <int64_t Type>
 struct Records {
-  const uint8_t* first[kGroups];  // block 0's record of each group
+  const uint8_t* first[kTaskGroups];  // block 0's record of each group
   int64_t stride;                 // bytes from a group's block to its next
   __m512i levels;
   __m512bh pair(int64_t j, int64_t b, int64_t c) const {
@@ -91,7 +90,9 @@ struct Records {
   __m512 scale(int64_t j, int64_t b) const {
     return record_halves(first[j] + b * stride + scale_offset(Type));
   }
-  __m512 min(int64_t j, int64_t b) const { return record_halves(first[j] + b * stride + 288); }
+  __m512 min(int64_t j, int64_t b) const {  // after the 16 scales (Q4_1)
+    return record_halves(first[j] + b * stride + scale_offset(Type) + 32);
+  }
 };
 
 struct Call {
@@ -102,42 +103,45 @@ struct Call {
   uint16_t* y;        // [m, n] bf16
 };
 
-// y rows [m0, m0 + MR), the task's outputs from n0 (`groups` records).
+// Tokens [m0, m0 + MR) take block b into their sums (per token and record, 16 outputs): its
+// 16 input pairs into block sums, then sum += d * block sum (+ m * the block's input sum).
+// Both ways of walking the blocks below run exactly this, so an output's operations do not
+// depend on the number of tokens.
+template <int64_t Type, int MR, class Weights>
+inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
+                      __m512 (&sums)[MR][kTaskGroups]) {
+  __m512 blk[MR][kTaskGroups];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kTaskGroups; ++j) blk[i][j] = _mm512_setzero_ps();
+  const uint32_t* xr = p.x + m0 * p.pairs + b * 16;
+  for (int64_t c = 0; c < 16; ++c) {
+    __m512bh wv[kTaskGroups];
+    for (int j = 0; j < kTaskGroups; ++j) wv[j] = w.pair(j, b, c);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i * p.pairs + c]));
+      for (int j = 0; j < kTaskGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
+    }
+  }
+  for (int j = 0; j < kTaskGroups; ++j) {
+    const __m512 d = w.scale(j, b);
+    for (int i = 0; i < MR; ++i) sums[i][j] = _mm512_fmadd_ps(blk[i][j], d, sums[i][j]);
+    if constexpr (Type == kQ4_1) {
+      const __m512 mv = w.min(j, b);
+      for (int i = 0; i < MR; ++i)
+        sums[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), sums[i][j]);
+    }
+  }
+}
+
+// y rows [m0, m0 + MR), the task's outputs from n0 (`groups` records): every block in
+// turn, the sums in registers.
 template <int64_t Type, int MR, class Weights>
 void block_tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t m0) {
-  __m512 acc[MR][kGroups], blk[MR][kGroups];
+  __m512 sums[MR][kTaskGroups];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint32_t* xr = p.x + m0 * p.pairs;
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < 16; ++c) {
-      __m512bh wv[kGroups];
-      for (int j = 0; j < kGroups; ++j) wv[j] = w.pair(j, b, c);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xb =
-            (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i * p.pairs + b * 16 + c]));
-        for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
-      }
-    }
-    for (int j = 0; j < kGroups; ++j) {
-      const __m512 d = w.scale(j, b);
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
-      if constexpr (Type == kQ4_1) {
-        const __m512 mv = w.min(j, b);
-        for (int i = 0; i < MR; ++i)
-          acc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), acc[i][j]);
-      }
-    }
-  }
-  for (int64_t j = 0; j < groups; ++j) {
-    const int64_t col = n0 + j * kRows;
-    const __m512 bv = p.bias ? _mm512_loadu_ps(p.bias + col) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i)
-      _mm256_storeu_si256((__m256i*)(p.y + (m0 + i) * p.n + col),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bv)));
-  }
+    for (int j = 0; j < kTaskGroups; ++j) sums[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) add_block<Type, MR>(p, w, b, m0, sums);
+  store_sums<MR>(sums, groups, p.bias, p.y, p.n, n0, m0);
 }
 
 template <int64_t Type, class Weights>
@@ -151,36 +155,28 @@ void tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t
   }
 }
 
-// One block's weights for a task: its records' pairs as bf16 words, and their scales.
+// One block's weights for a task, unpacked from its records: pairs as bf16 words, scales.
 struct BlockWeights {
-  alignas(64) uint32_t pairs[kGroups][16][16];
-  __m512 scale[kGroups], min[kGroups];
+  alignas(64) uint32_t pairs[kTaskGroups][16][16];
+  __m512 scales[kTaskGroups], mins[kTaskGroups];
+  __m512bh pair(int64_t j, int64_t /*b*/, int64_t c) const {
+    return (__m512bh)_mm512_load_si512(pairs[j][c]);
+  }
+  __m512 scale(int64_t j, int64_t /*b*/) const { return scales[j]; }
+  __m512 min(int64_t j, int64_t /*b*/) const { return mins[j]; }
 };
 
-// Tokens [m0, m0 + MR) (their sums at acc, [token][group][16] floats) take block b: the
-// same operations, in the same order, as block_tokens does for it.
+// Tokens [m0, m0 + MR) (their sums at acc, [token][group][16] floats) take block b.
 template <int64_t Type, int MR>
 void block_step(const Call& p, const BlockWeights& w, int64_t b, int64_t m0, float* acc) {
-  __m512 blk[MR][kGroups];
+  __m512 sums[MR][kTaskGroups];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_setzero_ps();
-  const uint32_t* xr = p.x + m0 * p.pairs + b * 16;
-  for (int64_t c = 0; c < 16; ++c) {
-    __m512bh wv[kGroups];
-    for (int j = 0; j < kGroups; ++j) wv[j] = (__m512bh)_mm512_load_si512(w.pairs[j][c]);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i * p.pairs + c]));
-      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
-    }
-  }
+    for (int j = 0; j < kTaskGroups; ++j)
+      sums[i][j] = _mm512_loadu_ps(acc + (i * kTaskGroups + j) * 16);
+  add_block<Type, MR>(p, w, b, m0, sums);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) {
-      float* a = acc + (i * kGroups + j) * 16;
-      __m512 sum = _mm512_fmadd_ps(blk[i][j], w.scale[j], _mm512_loadu_ps(a));
-      if constexpr (Type == kQ4_1)
-        sum = _mm512_fmadd_ps(w.min[j], _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), sum);
-      _mm512_storeu_ps(a, sum);
-    }
+    for (int j = 0; j < kTaskGroups; ++j)
+      _mm512_storeu_ps(acc + (i * kTaskGroups + j) * 16, sums[i][j]);
 }
 
 // Tokens [m0, m1) against a task's records, a block at a time: the block's records unpacked
@@ -188,16 +184,16 @@ void block_step(const Call& p, const BlockWeights& w, int64_t b, int64_t m0, flo
 template <int64_t Type>
 void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0, int64_t m0,
                   int64_t m1, std::vector<float>& acc) {
-  acc.assign(static_cast<size_t>((m1 - m0) * kGroups * 16), 0.f);
+  acc.assign(static_cast<size_t>((m1 - m0) * kTaskGroups * 16), 0.f);
   BlockWeights w;
   for (int64_t b = 0; b < p.blocks; ++b) {
-    for (int64_t j = 0; j < kGroups; ++j) {
+    for (int64_t j = 0; j < kTaskGroups; ++j) {
       for (int64_t c = 0; c < 16; ++c) _mm512_store_si512(w.pairs[j][c], (__m512i)r.pair(j, b, c));
-      w.scale[j] = r.scale(j, b);
-      if constexpr (Type == kQ4_1) w.min[j] = r.min(j, b);
+      w.scales[j] = r.scale(j, b);
+      if constexpr (Type == kQ4_1) w.mins[j] = r.min(j, b);
     }
     for (int64_t m = m0; m < m1; m += kOuterTokens) {
-      float* a = acc.data() + (m - m0) * kGroups * 16;
+      float* a = acc.data() + (m - m0) * kTaskGroups * 16;
       switch (std::min<int64_t>(kOuterTokens, m1 - m)) {
         case 1: block_step<Type, 1>(p, w, b, m, a); break;
         case 2: block_step<Type, 2>(p, w, b, m, a); break;
@@ -208,35 +204,33 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
       }
     }
   }
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t j = 0; j < groups; ++j) {
-      const int64_t col = n0 + j * kRows;
-      const __m512 bv = p.bias ? _mm512_loadu_ps(p.bias + col) : _mm512_setzero_ps();
-      const __m512 sum = _mm512_loadu_ps(acc.data() + ((m - m0) * kGroups + j) * 16);
-      _mm256_storeu_si256((__m256i*)(p.y + m * p.n + col),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bv)));
-    }
+  for (int64_t m = m0; m < m1; ++m) {
+    __m512 sums[1][kTaskGroups];
+    for (int j = 0; j < kTaskGroups; ++j)
+      sums[0][j] = _mm512_loadu_ps(acc.data() + ((m - m0) * kTaskGroups + j) * 16);
+    store_sums<1>(sums, groups, p.bias, p.y, p.n, n0, m);
+  }
 }
 
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = block_format(Type).record_bytes;
-  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kPass - 1) / kPass;
+  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups, passes = (m + kPass - 1) / kPass;
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
   at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
-      const int64_t here = std::min(kGroups, groups - first);
+      const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
+      const int64_t here = std::min(kTaskGroups, groups - first);
       Records<Type> r{{}, record, nibble_levels<Type>()};
-      for (int64_t j = 0; j < kGroups; ++j)
+      for (int64_t j = 0; j < kTaskGroups; ++j)
         r.first[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
       const int64_t m0 = pass * kPass, m1 = std::min(m, m0 + kPass);
       if (m1 - m0 <= kStreamed)
-        tokens<Type>(p, r, here, first * kRows, m0, m1);
+        tokens<Type>(p, r, here, first * kGroupRows, m0, m1);
       else
-        blocks_outer<Type>(p, r, here, first * kRows, m0, m1, acc);
+        blocks_outer<Type>(p, r, here, first * kGroupRows, m0, m1, acc);
     }
   });
 }
@@ -261,29 +255,30 @@ at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type) {
   const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
   const int64_t n = raw.size(0), kb = raw.size(1);
   const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kRows, kb, f.record_bytes}, raw.options());
+  at::Tensor out = at::zeros({n / kGroupRows, kb, f.record_bytes}, raw.options());
   const uint8_t* r = src.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
   const int64_t scales = scale_offset(type);
-  at::parallel_for(0, n / kRows, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t b = 0; b < kb; ++b) {
         uint8_t* rec = o + (t * kb + b) * f.record_bytes;
-        for (int64_t i = 0; i < kRows; ++i) {
-          const uint8_t* blk = r + ((t * kRows + i) * kb + b) * f.block_bytes;
+        for (int64_t i = 0; i < kGroupRows; ++i) {
+          const uint8_t* blk = r + ((t * kGroupRows + i) * kb + b) * f.block_bytes;
           std::memcpy(rec + scales + i * 2, blk, 2);                             // d
           if (type == kQ4_1) std::memcpy(rec + scales + 32 + i * 2, blk + 2, 2);  // m
           const uint8_t* qs = blk + q_offset;
           for (int64_t c = 0; c < 16; ++c) {
             if (type == kQ8_0) {
-              rec[(c * kRows + i) * 2] = qs[2 * c];
-              rec[(c * kRows + i) * 2 + 1] = qs[2 * c + 1];
+              rec[(c * kGroupRows + i) * 2] = qs[2 * c];
+              rec[(c * kGroupRows + i) * 2 + 1] = qs[2 * c + 1];
               continue;
             }
             // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
             auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
-            rec[c * kRows + i] = static_cast<uint8_t>(nibble(2 * c) | (nibble(2 * c + 1) << 4));
+            rec[c * kGroupRows + i] =
+                static_cast<uint8_t>(nibble(2 * c) | (nibble(2 * c + 1) << 4));
           }
         }
       }
@@ -293,7 +288,7 @@ at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type) {
 
 at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
   const int64_t type = type_of_record(w.size(2), "dot_linear");
-  const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kRows, m = x.size(0);
+  const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_AVX512BF16
   const at::Tensor xc = x.contiguous();

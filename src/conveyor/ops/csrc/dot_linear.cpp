@@ -15,6 +15,7 @@
 
 #include "quant_linear.h"
 
+#include "dot_tiles.h"
 #include "simd_math.h"
 
 #include <ATen/Parallel.h>
@@ -22,30 +23,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace conveyor {
 namespace {
 
-constexpr int64_t kGroupRows = 16;      // output rows of a pair tile (and of a GGUF record)
-constexpr int64_t kTaskGroups = 4;      // pair tiles per task: 64 outputs, 4 sums per token
 constexpr int64_t kTokenPass = 256;     // tokens per pass over a task's rows: x stays in L2
 
 #ifdef CONVEYOR_AVX512BF16
-
-// y rows [m0, m0 + MR), outputs [n0, n0 + 16 * groups) = the sums plus the bias, in bf16.
-template <int MR>
-inline void store_sums(const __m512 (&acc)[MR][kTaskGroups], int64_t groups, const float* bias,
-                       uint16_t* y, int64_t n, int64_t n0, int64_t m0) {
-  for (int64_t j = 0; j < groups; ++j) {
-    const int64_t col = n0 + j * kGroupRows;
-    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i)
-      _mm256_storeu_si256((__m256i*)(y + (m0 + i) * n + col),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
-  }
-}
 
 // y rows [m0, m0 + MR), outputs [n0, n0 + 16 * groups): the tokens' pairs broadcast against
 // the groups' pair tiles (g: [pairs][16] words each; absent groups point at zeros).
