@@ -45,7 +45,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
     batch or in a prefill-sized one (over 256 rows: two token passes)."""
     out_features, in_features = 80, 1536  # 5 row tiles: one full task of 4 and a partial one
     raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
-    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype))
+    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16)
     tiles = kops.pack_dot_weight(bf16_weight(raw, qtype))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, in_features, generator=gen).to(torch.bfloat16)
@@ -71,7 +71,7 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     want = x.float() @ exact.T
-    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype))
+    blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16)
     got = kops.dot_linear(x, blocks, None).float()
     bf16_weights = kops.dot_linear(x, kops.pack_dot_weight(exact.to(torch.bfloat16)), None).float()
     assert want.abs().max() > 0.1  # a real product, not zeros
@@ -82,7 +82,7 @@ def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kops.pack_dot_weight(torch.zeros(20, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kops.pack_dot_blocks(torch.zeros(20, 2, 20, dtype=torch.uint8), 3)
+        kops.pack_dot_blocks(torch.zeros(20, 2, 20, dtype=torch.uint8), 3, torch.bfloat16)
     with pytest.raises(RuntimeError, match="pack_dot_weight"):
         kops.dot_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                         torch.zeros(16, 64, dtype=torch.bfloat16), None)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.ops import dot_kernels_available, reference
+from conveyor.ops import dot_kernels_available, f32_kernels_available, reference
 
 # The dot kernels' block matmul against the bf16 weight's, relative to its largest output: they
 # differ by the weights' rounding to bf16 (~0.4 % each); a wrong layout differs by ~100 %.
@@ -21,7 +21,8 @@ class PackedLinear(nn.Module):
     - CPUs with AVX512-BF16 but no AMX, bf16 weights: pair tiles for ``ops.dot_linear``
       (``csrc/dot_linear.cpp``), one kernel for every batch size, so a row's result never
       depends on the batch; with ``use_blocks`` it reads the weight's GGUF blocks instead, at
-      every batch size (``csrc/dot_blocks.cpp``: the exact GGUF weights).
+      every batch size (``csrc/dot_blocks.cpp``: the exact GGUF weights). float32 weights on
+      CPUs with AVX2: the same, on lane tiles and blocks of their own (``csrc/f32_linear.cpp``).
     - Elsewhere: oneDNN's blocked layout. torch's plain ``F.linear`` re-reads the ``[out, in]``
       weight in its stored layout every call; the pre-packed weight is what oneDNN's GEMM
       wants, which makes the small-batch matmuls of a decode step ~1.4x faster with
@@ -70,13 +71,15 @@ class PackedLinear(nn.Module):
 
         - AMX: batches of up to ``quantized_linear_max_rows`` rows, bit-identical to oneDNN
           on the bf16 weight (checked at 1, 13 and that many rows).
-        - AVX512-BF16 dot kernels: every batch, on the exact GGUF weights, so the results
-          differ from the bf16 weight's in the last bits (checked close, at 1 and 5 rows).
+        - Dot kernels (bf16 or float32): every batch, on the exact GGUF weights, so the results
+          differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
         """
         ops: Any = torch.ops.conveyor
         gen = torch.Generator().manual_seed(0)
+        if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
+            return False
         if self.dot:
-            blocks = ops.pack_dot_blocks(raw, qtype)
+            blocks = ops.pack_dot_blocks(raw, qtype, self.dtype)
             for rows in (1, 5):  # both of the kernel's paths (up to 3 tokens, and more)
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
                 got, want = ops.dot_linear(x, blocks, self.bias).float(), self.dense(x).float()
@@ -93,18 +96,34 @@ class PackedLinear(nn.Module):
 
 
 def dot_matmuls(weight: torch.Tensor) -> bool:
-    """Whether this weight's matmuls run the AVX512-BF16 dot kernels (``ops.dot_linear``): a
-    bf16 weight with rows a multiple of 16 and an even number of inputs, on a CPU whose
-    kernels were built with AVX512-BF16 and that has no AMX (AMX keeps oneDNN, with which
-    its block kernels agree bit for bit)."""
+    """Whether this weight's matmuls run the dot kernels (``ops.dot_linear``, one kernel for
+    every batch size):
+
+    - a bf16 weight with rows a multiple of 16 and an even number of inputs, on a CPU whose
+      kernels were built with AVX512-BF16 and that has no AMX (AMX keeps oneDNN, with which
+      its block kernels agree bit for bit);
+    - a float32 weight with rows a multiple of 8, on a CPU with AVX2 and FMA.
+    """
     out_features, in_features = weight.shape
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and out_features % 16 == 0 and in_features % 2 == 0 and dot_kernels_available())
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.float32:
+        return out_features % 8 == 0 and f32_kernels_available()
+    return (weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
+            and dot_kernels_available())
 
 
-def can_pack_linears(device: torch.device) -> bool:
-    """Whether oneDNN weight packing is available for this device."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device's matmuls in this dtype take packed weights: on CPU, with oneDNN,
+    whose half-precision packing needs AVX-512 (CPUs with AVX2 only run bf16 and fp16 on
+    plain weights: slow, but they run)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 class RMSNorm(nn.Module):

@@ -19,7 +19,8 @@ from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
-from conveyor.ops import amx_available, dot_kernels_available, for_device, reference
+from conveyor.ops import (amx_available, dot_kernels_available, f32_kernels_available, for_device,
+                          reference)
 
 logger = logging.getLogger(__name__)
 
@@ -235,11 +236,14 @@ class CausalLM(nn.Module):
     def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
         """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
         which the kernels then read in place (``PackedLinear.use_blocks``: small batches with
-        AMX, every batch with the AVX512-BF16 dot kernels). Needs bf16 weights and the C++
-        kernels with one of the two; a matmul whose parts are not all blocks of one
-        supported type keeps its bf16 weight. Returns how many matmuls took their blocks."""
-        if (self.ops is reference or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not (amx_available() or dot_kernels_available())):
+        AMX, every batch with the dot kernels). Needs bf16 weights and the C++ kernels with
+        AMX or AVX512-BF16, or float32 weights and AVX2; a matmul whose parts are not all
+        blocks of one supported type keeps its dense weight. Returns how many matmuls took
+        their blocks."""
+        dtype = self.embed_tokens.weight.dtype
+        kernels = (f32_kernels_available() if dtype == torch.float32
+                   else dtype == torch.bfloat16 and (amx_available() or dot_kernels_available()))
+        if self.ops is reference or not kernels:
             return 0
         parts: list[tuple[Any, list[str]]] = [
             (getattr(getattr(layer, owner), ours),
@@ -339,7 +343,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
     model.use_ops(for_device(device))
-    if can_pack_linears(device):
+    if can_pack_linears(device, dtype):
         model.pack_linears()
         if block_weights is not None:
             used = model.use_block_weights(block_weights())

@@ -12,7 +12,8 @@ with AMX (``amx_available``) ``quantized_linear`` (``csrc/quant_linear.cpp``: de
 that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place, bit-identical to oneDNN on the bf16
 weights); with AVX512-BF16 and no AMX (``dot_kernels_available``) ``dot_linear``, every
 matmul at every batch size, on bf16 pair tiles or GGUF blocks (``csrc/dot_linear.cpp``,
-``csrc/dot_blocks.cpp``); and ``prefill_attention`` with either
+``csrc/dot_blocks.cpp``), and for float32 with AVX2 (``f32_kernels_available``) the same on
+float32 lane tiles or GGUF blocks (``csrc/f32_linear.cpp``); and ``prefill_attention`` with either
 (``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
 and runs the reference. ``CONVEYOR_KERNELS=0`` selects
 the reference on CPU too.
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_ops.cpp", "quant_linear.cpp", "dot_linear.cpp", "dot_blocks.cpp",
-                         "prefill_attention.cpp")]
+                         "f32_linear.cpp", "prefill_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen headers and runs serially without it.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A load that took longer than this built (or rebuilt) the kernels: say when they are ready.
@@ -128,6 +129,14 @@ def dot_kernels_available() -> bool:
     whose own kernels (``quantized_linear`` beside oneDNN) run instead."""
     return (load_cpu_kernels() and bool(torch.ops.conveyor.dot_linear_available())
             and not amx_available())
+
+
+@functools.cache
+def f32_kernels_available() -> bool:
+    """Whether float32 matmuls take the AVX2 dot kernels (``dot_linear`` on float32: one
+    kernel for every batch size; ``csrc/f32_linear.cpp``): the C++ kernels are built with AVX2
+    and FMA. Every CPU that runs float32 by default (no bf16 matrix units) has them."""
+    return load_cpu_kernels() and bool(torch.ops.conveyor.f32_linear_available())
 
 
 def for_device(device: torch.device) -> ModuleType | Any:

@@ -22,8 +22,14 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
 #include <immintrin.h>
+#endif
+
+// CPUs with AVX2 but no AVX-512 (AMD Zen 2 and 3) run float32 decode attention with 8-lane
+// vectors; everything else there runs the scalar loops.
+#if defined(CONVEYOR_AVX2) && !defined(__AVX512F__)
+#define CONVEYOR_AVX2_ONLY 1
 #endif
 
 namespace {
@@ -297,6 +303,15 @@ inline float softmax_(float* p, int64_t n) {
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
+#elif defined(CONVEYOR_AVX2_ONLY)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv));
+    _mm256_storeu_ps(p + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  total = conveyor::hsum8(sum);
 #endif
   for (; i < n; ++i) {
     p[i] = std::exp(p[i] - m);
@@ -305,7 +320,7 @@ inline float softmax_(float* p, int64_t n) {
   return 1.f / total;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2_ONLY)
 // Prefetches the first row_bytes of `rows` rows, tok_stride elements apart, with this hint.
 template <int Hint, typename T>
 inline void prefetch_rows(const T* first, int64_t rows, int64_t tok_stride, int64_t row_bytes) {
@@ -326,7 +341,7 @@ inline void for_each_cached(const T* cache, const int64_t* table, int64_t len, i
   for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
     const T* row = cache + table[blk] * bs * tok_stride;
     const int64_t n = std::min(bs, len - start);
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2_ONLY)
     if (then) prefetch_rows<_MM_HINT_T1>(row + then, n, tok_stride, row_bytes);
     if (start + bs < len)
       prefetch_rows<_MM_HINT_T0>(cache + table[blk + 1] * bs * tok_stride, bs, tok_stride, row_bytes);
@@ -426,6 +441,59 @@ void attend_kv_head_vec(T* out, int64_t out_stride, const float* qf, const T* kc
 #endif
 }
 
+#ifdef CONVEYOR_AVX2_ONLY
+// r lane i = the sum of the 8 floats of rows[i], for i < n (0 beyond): a tree of hadds.
+inline __m256 sum8_rows(const float (*rows)[8], int64_t n) {
+  __m256 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = i < n ? _mm256_load_ps(rows[i]) : _mm256_setzero_ps();
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a: rows 0-3's sums of lanes 0-3 (low half) and 4-7 (high half); b: rows 4-7's.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// attend_kv_head_vec on 8-lane vectors, for a float32 cache (NC = D / 8).
+template <int NC, int G>
+void attend_kv_head_vec8(float* out, int64_t out_stride, const float* qf, const float* kc,
+                         const float* vc, const int64_t* table, int64_t len, int64_t bs,
+                         int64_t tok_stride, float* scores) {
+  const int64_t row_bytes = NC * 8 * sizeof(float);
+  alignas(32) float part[G][8][8];
+  for_each_cached(kc, table, len, bs, tok_stride, row_bytes, vc - kc, [&](const float* kr, int64_t t) {
+    const int64_t j = t & 7;
+    for (int g = 0; g < G; ++g) {
+      __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(kr), _mm256_loadu_ps(qf + g * NC * 8));
+      for (int c = 1; c < NC; ++c)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(kr + 8 * c), _mm256_loadu_ps(qf + g * NC * 8 + 8 * c), sum);
+      _mm256_store_ps(part[g][j], sum);
+    }
+    if (j == 7 || t == len - 1) {
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j + 1)), lanes);
+      for (int g = 0; g < G; ++g)
+        _mm256_maskstore_ps(scores + g * len + t - j, m, sum8_rows(part[g], j + 1));
+    }
+  });
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_(scores + g * len, len);
+  __m256 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm256_setzero_ps();
+  for_each_cached(vc, table, len, bs, tok_stride, row_bytes, 0, [&](const float* vr, int64_t t) {
+    for (int g = 0; g < G; ++g) {
+      const __m256 pv = _mm256_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < NC; ++c)
+        acc[g][c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), acc[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    const __m256 iv = _mm256_set1_ps(inv[g]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_ps(out + g * out_stride + 8 * c, _mm256_mul_ps(acc[g][c], iv));
+  }
+}
+#endif
+
 // The same for any G and D, in scalar code.
 template <typename T>
 void attend_kv_head(T* out, int64_t out_stride, const float* qf, const T* kc, const T* vc,
@@ -456,6 +524,13 @@ using AttendFn = void (*)(void*, int64_t, const float*, const void*, const void*
 template <typename T, int NC, int G>
 void attend_erased(void* out, int64_t os, const float* qf, const void* kc, const void* vc,
                    const int64_t* table, int64_t len, int64_t bs, int64_t ts, float* scores) {
+#ifdef CONVEYOR_AVX2_ONLY
+  if constexpr (std::is_same_v<T, float>) {  // NC counts 8 lanes here
+    attend_kv_head_vec8<NC, G>(static_cast<float*>(out), os, qf, static_cast<const float*>(kc),
+                               static_cast<const float*>(vc), table, len, bs, ts, scores);
+    return;
+  }
+#endif
   attend_kv_head_vec<T, NC, G>(static_cast<T*>(out), os, qf, static_cast<const T*>(kc),
                                static_cast<const T*>(vc), table, len, bs, ts, scores);
 }
@@ -476,6 +551,23 @@ AttendFn pick_attend(int64_t d, int64_t group) {
       case 1: return &attend_erased<T, 8, 1>;
       case 2: return &attend_erased<T, 8, 2>;
       case 4: return &attend_erased<T, 8, 4>;  // Llama 3 8B: 32 query heads over 8 KV heads
+    }
+  }
+#elif defined(CONVEYOR_AVX2_ONLY)
+  if constexpr (std::is_same_v<T, float>) {
+    if (d == 64) {
+      switch (group) {
+        case 1: return &attend_erased<T, 8, 1>;
+        case 2: return &attend_erased<T, 8, 2>;
+        case 3: return &attend_erased<T, 8, 3>;
+        case 4: return &attend_erased<T, 8, 4>;
+      }
+    } else if (d == 128) {
+      switch (group) {
+        case 1: return &attend_erased<T, 16, 1>;
+        case 2: return &attend_erased<T, 16, 2>;
+        case 4: return &attend_erased<T, 16, 4>;
+      }
     }
   }
 #endif

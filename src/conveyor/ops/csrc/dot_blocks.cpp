@@ -251,7 +251,7 @@ std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
 
 }  // namespace
 
-at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type) {
+at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type) {
   const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
   const int64_t n = raw.size(0), kb = raw.size(1);
   const at::Tensor src = raw.contiguous();
@@ -307,7 +307,3 @@ at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const flo
 }
 
 }  // namespace conveyor
-
-TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("pack_dot_blocks(Tensor raw, int type) -> Tensor", &conveyor::pack_dot_blocks);
-}

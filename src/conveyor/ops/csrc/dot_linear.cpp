@@ -73,6 +73,7 @@ bool dot_linear_available() {
 }
 
 at::Tensor pack_dot_weight(const at::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return pack_f32_weight(w);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) % kGroupRows == 0 &&
                   w.size(1) % 2 == 0,
               "pack_dot_weight: w must be bf16 [out, in], out a multiple of 16 and in even, got ",
@@ -82,9 +83,16 @@ at::Tensor pack_dot_weight(const at::Tensor& w) {
       .transpose(1, 2).contiguous();
 }
 
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "pack_dot_blocks: dtype must be bfloat16 or float32, got ", dtype);
+  return dtype == at::kFloat ? pack_f32_blocks(raw, type) : pack_bf16_blocks(raw, type);
+}
+
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(dot_linear_available(), "dot_linear: needs a CPU with AVX512-BF16");
+  if (x.scalar_type() == at::kFloat) return f32_linear(x, w, bias);
+  TORCH_CHECK(dot_linear_available(), "dot_linear: bf16 needs a CPU with AVX512-BF16");
   const bool blocks = w.scalar_type() == at::kByte;
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() &&
                   (blocks || (w.scalar_type() == at::kInt && w.size(2) == kGroupRows)),
@@ -92,12 +100,9 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t groups = w.size(0), n = groups * kGroupRows;
   const int64_t k = blocks ? w.size(1) * 32 : w.size(1) * 2, pairs = k / 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
-              "dot_linear: x must be bf16 [rows, ", k, "], got ", x.sizes(), " ", x.scalar_type());
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "dot_linear: bias must be [", n, "]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+              "dot_linear: x must be bf16 or float32 [rows, ", k, "], got ", x.sizes(), " ",
+              x.scalar_type());
+  const at::Tensor bias_f = float_bias(bias, n);
   const float* bd = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.contiguous();
   if (blocks) return dot_blocks_linear(xc, w, bd);
@@ -140,6 +145,9 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("dot_linear_available() -> bool", &conveyor::dot_linear_available);
+  m.def("f32_linear_available() -> bool", &conveyor::f32_linear_available);
+  m.def("pack_dot_blocks(Tensor raw, int type, ScalarType dtype) -> Tensor",
+        &conveyor::pack_dot_blocks);
   m.def("pack_dot_weight(Tensor w) -> Tensor", &conveyor::pack_dot_weight);
   m.def("dot_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &conveyor::dot_linear);
 }

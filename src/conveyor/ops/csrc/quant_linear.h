@@ -23,15 +23,33 @@ bool dot_linear_available();
 // w bf16 [N, K] (N a multiple of 16, K even) -> the pair tiles dot_linear reads.
 at::Tensor pack_dot_weight(const at::Tensor& w);
 
-// raw GGUF blocks uint8 [N, K/32, block bytes] -> the pair-major records dot_linear reads.
-at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type);
+// raw GGUF blocks uint8 [N, K/32, block bytes] -> the records dot_linear reads for x of
+// this dtype (bf16: pair-major, dot_blocks.cpp; float32: input-major, f32_linear.cpp).
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype);
+at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type);
 
-// y = x W^T + b for x [M, K] bf16 and W from pack_dot_weight (bf16) or pack_dot_blocks (the
-// exact GGUF weights): the same bits for a row whatever M is (dot_linear.cpp, dot_blocks.cpp).
+// y = x W^T + b for x [M, K] bf16 or float32 and W from pack_dot_weight (of a weight of x's
+// dtype) or pack_dot_blocks (the exact GGUF weights): the same bits for a row whatever M is
+// (dot_linear.cpp, dot_blocks.cpp; f32_linear.cpp).
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias);
 
-// dot_linear's block path: x contiguous, w from pack_dot_blocks, bias float32 [N] or null.
+// dot_linear's bf16 block path: x contiguous, w from pack_bf16_blocks, bias float32 [N] or null.
 at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias);
+
+// The float32 family (f32_linear.cpp): whether it was built (AVX2 and FMA); lane tiles of a
+// float32 weight [N, K] (N a multiple of 8); GGUF records; y = x W^T + b for x float32.
+bool f32_linear_available();
+at::Tensor pack_f32_weight(const at::Tensor& w);
+at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type);
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
+                      const std::optional<at::Tensor>& bias);
+
+// dot_linear's bias [n] as contiguous float32 (undefined for none).
+inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "dot_linear: bias must be [", n, "]");
+  return bias->to(at::kFloat).contiguous();
+}
 
 }  // namespace conveyor

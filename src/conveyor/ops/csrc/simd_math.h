@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -11,6 +11,11 @@
 // without AMX) need AVX512-BF16 (with BW for the word shuffles).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define CONVEYOR_AVX512BF16 1
+#endif
+
+// The float32 kernels (f32_linear.cpp) need AVX2 with FMA, and F16C for the GGUF scales.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CONVEYOR_AVX2 1
 #endif
 
 namespace conveyor {
@@ -34,6 +39,39 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#endif
+
+#ifdef CONVEYOR_AVX2
+// exp16's polynomial on 8 lanes (for CPUs with AVX2 but no AVX-512); x clamped to [-87.3, 88].
+inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n (n in [-126, 127]) built in the exponent bits.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The sum of 8 lanes, in one fixed order.
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
+#ifdef __AVX512F__
 // r[0..16) of 16 lanes each -> their transpose (lane j of r[i] moves to lane i of r[j]).
 inline void transpose16x16(__m512 r[16]) {
   __m512 t[16];
@@ -85,7 +123,7 @@ inline void transpose_pairs(uint32_t* out, const uint32_t* rows, int64_t n, int6
 // a peaked softmax underflows, and each denormal operand or result costs a microcode assist
 // of ~100 cycles. Values below 1.2e-38 do not change an attention output.
 struct FlushDenormals {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
   unsigned int saved = _mm_getcsr();
   FlushDenormals() { _mm_setcsr(saved | 0x8040); }
   ~FlushDenormals() { _mm_setcsr(saved); }
