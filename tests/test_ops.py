@@ -31,7 +31,9 @@ def _assert_same(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         return
     eps = torch.finfo(dtype).eps  # one unit in the last place, relative
     torch.testing.assert_close(actual, expected, rtol=eps, atol=eps * 1e-3)
-    assert (actual == expected).float().mean() > 0.999
+    # Bit-equal but for rare last-place differences (on CPUs without AVX-512 the kernels' sums
+    # run in another order than torch's vectors: one value of a 576-wide row may round apart).
+    assert (actual != expected).sum() <= max(1, 0.001 * actual.numel())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -182,18 +184,22 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
                                                     ({}, "int8")])
 def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype) -> None:
     """ops.decode_layers runs every layer of a decode-only batch in one C++ call: it must give
-    bit-identical hidden states and KV writes to the layer-by-layer Python forward."""
+    bit-identical hidden states and KV writes to the layer-by-layer Python forward (in the
+    engine's default dtype on this CPU: bf16 where it has bf16 matrix units, else float32)."""
     from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
     from conveyor.config import ModelConfig
+    from conveyor.model.device import resolve_dtype
     from conveyor.model.llama import build_model
+
+    dtype = resolve_dtype("auto", torch.device("cpu"))
 
     cfg = ModelConfig(architecture="qwen2" if arch_overrides else "llama", vocab_size=300,
                       hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, **arch_overrides)
-    model = build_model(cfg, torch.bfloat16, torch.device("cpu"), None, seed=1)
+    model = build_model(cfg, dtype, torch.device("cpu"), None, seed=1)
     block_size, num_blocks = 4, 16
     element, shape = reference.kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads,
-                                              cfg.head_dim, kv_dtype, torch.bfloat16)
+                                              cfg.head_dim, kv_dtype, dtype)
     kv = torch.zeros(cfg.num_hidden_layers, *shape, dtype=element)
     tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
     lens = [9, 6]  # prompt lengths; each request then decodes one token

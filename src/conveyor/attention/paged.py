@@ -7,7 +7,9 @@ then decodes attend together in one ``ops.decode_attention`` call, which on CPU 
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
 one: causal inside the chunk, full over the cached prefix (gathered block by block), with
 ``ops.prefill_attention`` (C++, AMX tiles or AVX512-BF16) in bf16, else torch's SDPA; a
-chunk's generated tokens recomputed after a preemption attend as decodes. A
+chunk's generated tokens recomputed after a preemption attend as decodes, and in float32
+with the C++ kernels every row of a chunk does (a query's result then never depends on its
+chunk). A
 decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
 """
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.ops import prefill_attention_available, reference
-from conveyor.ops.reference import gather_kv
+from conveyor.ops.reference import INT8_SCALE_BYTES, gather_kv
 
 
 def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,14 +43,15 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
     kernel = _kernel_prefill(ops, q)
+    rows_as_decodes = _rows_as_decodes(ops, q)
     for chunk in meta.prefills:
-        prompt = chunk.query_len - chunk.generated_rows
+        prompt = 0 if rows_as_decodes else chunk.query_len - chunk.generated_rows
         rows = slice(chunk.query_start, chunk.query_start + prompt)
         if prompt:
             out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale, kernel)
-        if chunk.generated_rows:
+        if prompt < chunk.query_len:
             gen = slice(rows.stop, chunk.query_start + chunk.query_len)
-            out[gen] = _recomputed_decodes(ops, q[gen], kv_cache, chunk, prompt, scale)
+            out[gen] = _as_decodes(ops, q[gen], kv_cache, meta, chunk, prompt, scale)
     return out
 
 
@@ -59,16 +62,38 @@ def _kernel_prefill(ops: Any, q: torch.Tensor) -> bool:
             and q.shape[-1] <= 256 and prefill_attention_available())
 
 
-def _recomputed_decodes(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                        first: int, scale: float) -> torch.Tensor:
-    """Generated tokens recomputed in a prefill chunk (rows from ``first``), each attending
-    as the decode it once was: the decode kernel over its context in the cache."""
-    assert chunk.block_table is not None
+def _rows_as_decodes(ops: Any, q: torch.Tensor) -> bool:
+    """Whether every row of a prefill chunk attends as a decode would (the decode kernel over
+    its context in the cache): float32 with the C++ kernels, where no prefill attention
+    kernel exists and SDPA's blocking makes a query's result depend on its chunk. A row's
+    attention is then that of its decode, whatever the chunking (~15 % of a 500-token
+    prompt's prefill time on an AVX2 CPU)."""
+    return ops is not reference and q.dtype == torch.float32 and q.device.type == "cpu"
+
+
+def _as_decodes(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                chunk: PrefillChunk, first: int, scale: float) -> torch.Tensor:
+    """A prefill chunk's rows from ``first`` (generated tokens recomputed after a preemption,
+    or every row where ``_rows_as_decodes``), each attending as a decode: the decode kernel
+    over its context in the cache."""
     n = q.shape[0]
-    tables = chunk.block_table.unsqueeze(0).expand(n, -1).contiguous()
+    tables = _block_table(chunk, meta, kv_cache, q.shape[-1]).unsqueeze(0).expand(n, -1)
+    tables = tables.contiguous()
     start = chunk.num_computed_tokens + first + 1
     lens = torch.arange(start, start + n, dtype=torch.int64, device=q.device)
     return ops.decode_attention(q, kv_cache, tables, lens, scale)
+
+
+def _block_table(chunk: PrefillChunk, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                 head_dim: int) -> torch.Tensor:
+    """The chunk's block table. A chunk given none has no prefix: its tokens are positions 0,
+    1, ..., so every block_size-th of its slots (just written) names its next block."""
+    if chunk.block_table is not None:
+        return chunk.block_table
+    block_size = (kv_cache.shape[3] // (head_dim + INT8_SCALE_BYTES)
+                  if kv_cache.dtype == torch.int8 else kv_cache.shape[2])
+    first = meta.slot_mapping[chunk.query_start:chunk.query_start + chunk.query_len:block_size]
+    return first // block_size
 
 
 def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
