@@ -179,6 +179,23 @@ def fit_terms(shapes: Sequence[StepShape], times: Sequence[float]) -> list[float
     return full
 
 
+# fit_robust drops steps whose relative residual exceeds this many times the median one
+# (a step slowed down by another process on a shared machine) and fits again.
+OUTLIER_FACTOR = 3.0
+
+
+def fit_robust(shapes: Sequence[StepShape], times: Sequence[float]) -> list[float]:
+    """fit_terms, then once more without the outlying steps."""
+    coef = fit_terms(shapes, times)
+    residuals = [abs(sum(c * v for c, v in zip(coef, term_values(s), strict=True)) - t) / t
+                 for s, t in zip(shapes, times, strict=True)]
+    limit = OUTLIER_FACTOR * sorted(residuals)[len(residuals) // 2]
+    kept = [i for i, r in enumerate(residuals) if r <= limit]
+    if len(kept) <= len(TERMS) or len(kept) == len(shapes):
+        return coef
+    return fit_terms([shapes[i] for i in kept], [times[i] for i in kept])
+
+
 def model_fingerprint(config: ModelConfig) -> str:
     """A short hash of the model's shape: a profile only applies to the model it measured."""
     text = json.dumps(asdict(config), sort_keys=True, default=str)

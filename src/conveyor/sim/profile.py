@@ -25,7 +25,7 @@ from conveyor.config import EngineArgs
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost import TERMS, MeasuredCost, Profile, StepShape, fit_terms, model_fingerprint
+from conveyor.sim.cost import TERMS, MeasuredCost, Profile, StepShape, fit_robust, model_fingerprint
 
 _FIRST_PLAIN_TOKEN = 1000  # synthetic prompt ids stay above special tokens (bench/offline.py)
 
@@ -81,7 +81,8 @@ class _Timer:
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> dict[str, list[int]]:
-    return {"prompt_token_ids": [rng.randrange(_FIRST_PLAIN_TOKEN, vocab) for _ in range(n)]}
+    first = min(_FIRST_PLAIN_TOKEN, vocab // 2)
+    return {"prompt_token_ids": [rng.randrange(first, vocab) for _ in range(n)]}
 
 
 def _time_context(timer: _Timer, grid: ProfileGrid, context: int, rng: random.Random) -> None:
@@ -147,7 +148,7 @@ def run_profile(base: EngineArgs, grid: ProfileGrid) -> Profile:
     engine.check_integrity()
     shapes = [s for s, _ in timer.samples]
     times = [t for _, t in timer.samples]
-    coefficients = dict(zip(TERMS, fit_terms(shapes, times), strict=True))
+    coefficients = dict(zip(TERMS, fit_robust(shapes, times), strict=True))
     profile = Profile(
         model=engine.model_name, model_path=base.model,
         model_fingerprint=model_fingerprint(engine.model_config), engine_version=__version__,

@@ -115,10 +115,11 @@ def build_plan(settings: CostSettings, model: SimModel, args: EngineArgs,
     """The replica setup and cost model. The KV budget per device: `kv_cache_memory` when
     given; else, on a device preset, memory - weights / tp - the activation reserve (as
     `conveyor plan`); else the engine's default."""
+    cost: CostModel
     if settings.cost_model == "roofline":
-        cost, device = _roofline(settings, model, args)
-        per_token = cost.kv_per_token_per_device
-        weights = model.config.num_parameters() * cost.dtype_bytes / settings.tp
+        roofline, device = _roofline(settings, model, args)
+        cost, per_token = roofline, roofline.kv_per_token_per_device
+        weights = model.config.num_parameters() * roofline.dtype_bytes / settings.tp
         budget = (parse_memory(kv_cache_memory) if kv_cache_memory else
                   device.memory_bytes - weights
                   - _reserve_bytes(device, settings.activation_reserve))
