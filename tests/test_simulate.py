@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.bench.metrics import compute_metrics
+from conveyor.bench.metrics import compute_metrics, record_to_dict
 from conveyor.bench.serve import BenchmarkConfig, BenchmarkResult
 from conveyor.cli import main
 from conveyor.config import SchedulerConfig
@@ -208,6 +208,7 @@ def test_json_has_bench_serve_keys() -> None:
     serve = BenchmarkResult(BenchmarkConfig(base_url="http://x"), "m", metrics,
                             run.records, "d").to_dict()
     assert set(data) == set(serve) | {"simulation"}
+    assert data["requests"][0] == record_to_dict(run.records[0])
     json.dumps(data)  # JSON-ready
 
 

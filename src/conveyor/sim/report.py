@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from conveyor.bench.datasets import DatasetConfig
-from conveyor.bench.metrics import BenchmarkMetrics, metrics_to_dict, record_to_dict
+from conveyor.bench.metrics import BenchmarkMetrics, metrics_to_dict
 from conveyor.engine.stats import StepTrace
 from conveyor.sim.simulator import Replica, SimRun
 
@@ -105,7 +105,8 @@ def result_dict(model: str, dataset: DatasetConfig, rate: float, burstiness: flo
         "abort_fraction": 0.0,
         **metrics_to_dict(metrics),
         "first_error": first_error,
-        "requests": [record_to_dict(r) for r in run.records],
+        # record_to_dict's keys, without its deep copy (thousands of ITL lists)
+        "requests": [{**vars(r), "itl": list(r.itl), "tpot": r.tpot} for r in run.records],
         "simulation": asdict(summary),
     }
 
