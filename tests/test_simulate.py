@@ -243,3 +243,16 @@ def test_cli_sweep_marks_the_knee(capsys: pytest.CaptureFixture[str], tmp_path: 
     # 200 requests at once: past 128 slots a doubling has little left to batch.
     assert report["knee"] in (32, 64, 128)
     assert Path(report["plots"][0]).stat().st_size > 0
+
+
+def test_cli_replicas_table_and_plots(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["simulate", "--model", "llama-2-13b", "--device", "L4", "--tp", "2",
+            "--dataset", "skewed", "--num-prompts", "120", "--request-rate", "4",
+            "--replicas", "2", "--routing", "least-loaded", "--plot-dir", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Successful requests:" in out
+    assert "Replicas (routing):                     2 (least-loaded)" in out
+    assert "L4 x2" in out
+    for name in ("simulate_timeline.png", "simulate_kv_usage.png", "simulate_queue.png"):
+        assert (tmp_path / name).stat().st_size > 0

@@ -196,7 +196,7 @@ def _register_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="the profile file (JSON) to write")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64],
                    help="decode batch sizes")
-    p.add_argument("--context-lens", type=int, nargs="+", default=[128, 512],
+    p.add_argument("--context-lens", type=int, nargs="+", default=[128, 320],
                    help="context tokens of the decoding sequences")
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[32, 128, 512],
                    help="prompt tokens computed alongside the decodes")

@@ -35,7 +35,7 @@ class ProfileGrid:
     """The shapes to time: decode batches x context lengths, and prefill chunk sizes."""
 
     batches: tuple[int, ...] = (1, 4, 16, 32, 64)
-    context_lens: tuple[int, ...] = (128, 512)
+    context_lens: tuple[int, ...] = (128, 320)
     prefill_tokens: tuple[int, ...] = (32, 128, 512)
     steps: int = 3  # timed pure-decode steps per (batch, context)
 
