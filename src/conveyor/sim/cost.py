@@ -89,7 +89,7 @@ class RooflineCost:
     dtype_bytes: int = 2
     kv_bytes_per_token: int = 0  # whole model (all KV heads); 0: the model's, at dtype_bytes
     tp: int = 1
-    link_bytes_per_s: float = 600e9  # device-to-device link, one direction
+    link_bytes_per_s: float = 300e9  # device-to-device link, one direction (NVLink 3)
     step_overhead_s: float = 1e-3  # scheduling, launches, sampling: fixed per step
     block_size: int = 16  # tokens per KV block (swap copies move whole blocks)
 
