@@ -11,6 +11,7 @@ update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_terms``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import platform
 import random
 import statistics
@@ -27,6 +28,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost import TERMS, MeasuredCost, Profile, StepShape, fit_robust, model_fingerprint
 
+logger = logging.getLogger(__name__)
 _FIRST_PLAIN_TOKEN = 1000  # synthetic prompt ids stay above special tokens (bench/offline.py)
 
 
@@ -107,6 +109,8 @@ def _time_context(timer: _Timer, grid: ProfileGrid, context: int, rng: random.Ra
                 new = engine.add_request(_prompt(rng, vocab, prefill), one)
                 while new in engine.groups:
                     timer.step()
+            logger.info("profile: context %d, decode batch %d: %d steps timed so far",
+                        context, batch, len(timer.samples))
     finally:
         engine.abort_request(live)
 
