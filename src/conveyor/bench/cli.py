@@ -1,4 +1,5 @@
-"""`conveyor bench`: offline throughput, serving load, comparisons and sweeps."""
+"""`conveyor bench`: offline throughput, serving load, comparisons, sweeps and the step
+cost profile of `conveyor simulate`."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.set_defaults(func=run_http_cmd)
     _register_compare(sub)
     _register_sweep(sub)
+    _register_profile(sub)
 
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
@@ -185,6 +187,32 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         roofline_context_len=args.roofline_context_len, plot_dir=args.plot_dir)
     report = run_sweep(engine_args_from(args), config)
     _emit(report, args, format_sweep)
+    return 0
+
+
+def _register_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time engine steps over a grid of shapes and fit the "
+                       "step cost model of `conveyor simulate --cost-model measured`")
+    p.add_argument("--output", required=True, help="the profile file (JSON) to write")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64],
+                   help="decode batch sizes")
+    p.add_argument("--context-lens", type=int, nargs="+", default=[128, 320],
+                   help="context tokens of the decoding sequences")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[32, 128, 512],
+                   help="prompt tokens computed alongside the decodes")
+    p.add_argument("--steps", type=int, default=3, help="timed decode steps per point")
+    add_engine_args(p)
+    p.set_defaults(func=run_profile_cmd)
+
+
+def run_profile_cmd(args: argparse.Namespace) -> int:
+    from conveyor.sim.profile import ProfileGrid, format_profile, run_profile
+
+    grid = ProfileGrid(batches=tuple(args.batches), context_lens=tuple(args.context_lens),
+                       prefill_tokens=tuple(args.prefill_tokens), steps=args.steps)
+    profile = run_profile(engine_args_from(args), grid)
+    profile.save(args.output)
+    print(format_profile(profile, args.output))
     return 0
 
 

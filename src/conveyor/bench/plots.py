@@ -123,21 +123,23 @@ def plot_kv_usage(traces: Mapping[str, Trace], path: str | Path,
 
 
 def plot_throughput_latency(points: Sequence[Mapping[str, Any]], path: str | Path,
-                            knee_batch: int | None, latency_key: str = "mean_tpot_ms",
-                            title: str = "Throughput vs latency over max_num_seqs") -> Path:
-    """Output tok/s against per-token latency, one point per max_num_seqs, knee marked."""
+                            knee_batch: Any, latency_key: str = "mean_tpot_ms",
+                            title: str = "Throughput vs latency over max_num_seqs",
+                            key: str = "max_num_seqs", label: str = "B") -> Path:
+    """Output tok/s against per-token latency, one point per value of the swept setting
+    `key` (max_num_seqs by default, labelled `label`=value), knee marked."""
     fig, ax = plt.subplots(figsize=(8, 5))
     xs = [p[latency_key] for p in points]
     ys = [p["output_tokens_per_s"] for p in points]
     ax.plot(xs, ys, marker="o")
     for p, x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(f"B={p['max_num_seqs']}", (x, y), textcoords="offset points",
+        ax.annotate(f"{label}={p[key]}", (x, y), textcoords="offset points",
                     xytext=(5, -12), fontsize="small")
     if knee_batch is not None:
-        knee = next(p for p in points if p["max_num_seqs"] == knee_batch)
+        knee = next(p for p in points if p[key] == knee_batch)
         ax.scatter([knee[latency_key]], [knee["output_tokens_per_s"]], s=200,
                    facecolors="none", edgecolors="#d62728", linewidths=2,
-                   label=f"knee: B={knee_batch}", zorder=3)
+                   label=f"knee: {label}={knee_batch}", zorder=3)
         ax.legend()
     ax.set_xlabel("mean time per output token (ms)" if latency_key == "mean_tpot_ms"
                   else latency_key)
@@ -167,6 +169,22 @@ def plot_roofline(rows: Sequence[Mapping[str, Any]], path: str | Path,
     ax.set_title(title)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_series(series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+                path: str | Path, ylabel: str, title: str) -> Path:
+    """Step plots of (times, values) series against time, one line per label."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, (times, values) in series.items():
+        ax.step(times, values, where="post", label=label)
+    ax.set_xlabel("time since first arrival (s)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(series) > 1:
+        ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from conveyor.bench.datasets import DATASET_NAMES, DatasetConfig, SkewedMix
 from conveyor.bench.metrics import format_table, parse_goodput
@@ -32,22 +33,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model name to send (default: the first id of GET /v1/models)")
     server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
 
-    load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=1000)
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="mean requests/s; 'inf' (default) sends all at once")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of arrival gaps: 1.0 = Poisson, <1 burstier")
+    load = add_load_arguments(parser)
     load.add_argument("--max-concurrency", type=int, default=None,
                       help="most requests in flight at once (default: unlimited)")
-    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
     load.add_argument("--ignore-eos", action="store_true",
                       help="send ignore_eos: true, so every request generates max_tokens")
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument("--abort-fraction", type=float, default=0.0,
                       help="cancel this share of the streams after a random number of chunks "
                            "(seeded; counted apart, out of the latencies): a soak with aborts")
+    add_dataset_arguments(parser)
+    add_output_arguments(parser)
 
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> Any:
+    """The arrival flags `bench serve` and `conveyor simulate` share; returns their group."""
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=1000)
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="mean requests/s; 'inf' (default) sends all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of arrival gaps: 1.0 = Poisson, <1 burstier")
+    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
+    return load
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload flags (`bench serve`, `conveyor simulate`)."""
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", default="random", choices=DATASET_NAMES)
     data.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
@@ -67,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--sharegpt-output-len", type=int, default=None,
                       help="sharegpt: fixed output length instead of the answer's")
 
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The report flags (`bench serve`, `conveyor simulate`)."""
     out = parser.add_argument_group("output")
     out.add_argument("--metric-percentiles", default="99",
                      help="comma-separated latency percentiles to report (default: 99)")
@@ -88,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _parse_percentiles(text: str) -> tuple[float, ...]:
+def parse_percentiles(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(p) for p in text.split(",") if p.strip())
     except ValueError:
@@ -97,8 +112,8 @@ def _parse_percentiles(text: str) -> tuple[float, ...]:
         ) from None
 
 
-def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
-    """The BenchmarkConfig the parsed flags describe (ValueError on a bad value)."""
+def dataset_from_args(args: argparse.Namespace) -> DatasetConfig:
+    """The DatasetConfig the parsed dataset flags describe (ValueError on a bad value)."""
     mix = SkewedMix(
         long_fraction=args.skewed_long_fraction,
         short_output_min=args.skewed_short_output[0],
@@ -112,12 +127,18 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         skewed=mix, dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
     )
+    return dataset
+
+
+def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
+    """The BenchmarkConfig the parsed flags describe (ValueError on a bad value)."""
+    dataset = dataset_from_args(args)
     return BenchmarkConfig(
         base_url=args.url.rstrip("/"), endpoint=args.endpoint, model=args.model,
         api_key=args.api_key, dataset=dataset, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         ignore_eos=args.ignore_eos, temperature=args.temperature,
-        percentiles=_parse_percentiles(args.metric_percentiles),
+        percentiles=parse_percentiles(args.metric_percentiles),
         goodput_slos_ms=parse_goodput(args.goodput or []),
         show_progress=not args.no_progress, abort_fraction=args.abort_fraction,
     )

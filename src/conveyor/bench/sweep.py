@@ -48,16 +48,18 @@ class SweepConfig:
             raise ValueError(f"knee_gain must be in (0, 1), got {self.knee_gain}")
 
 
-def find_knee(points: Sequence[dict[str, Any]], knee_gain: float = KNEE_GAIN) -> int | None:
+def find_knee(points: Sequence[dict[str, Any]], knee_gain: float = KNEE_GAIN,
+              key: str = "max_num_seqs") -> Any:
     """The batch cap after which more batch stops being free: the first point whose next
     point (more sequences) gains less than `knee_gain` per doubling of the cap. None if
-    every step up still pays (or there are fewer than two points)."""
-    ordered = sorted(points, key=lambda p: p["max_num_seqs"])
+    every step up still pays (or there are fewer than two points). `key` names the swept
+    setting (any positive number: a batch cap, a request rate)."""
+    ordered = sorted(points, key=lambda p: p[key])
     for a, b in zip(ordered, ordered[1:], strict=False):
-        doublings = math.log2(b["max_num_seqs"] / a["max_num_seqs"])
+        doublings = math.log2(b[key] / a[key])
         gain = b["output_tokens_per_s"] / a["output_tokens_per_s"] - 1
         if gain < knee_gain * doublings:
-            return int(a["max_num_seqs"])
+            return a[key]
     return None
 
 

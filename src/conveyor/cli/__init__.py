@@ -1,4 +1,4 @@
-"""The `conveyor` command: generate, serve, bench, plan."""
+"""The `conveyor` command: generate, serve, bench, plan, simulate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 # Sub-commands, each a module with `register(subparsers)`; imported only when listed so that
 # `conveyor plan` does not pay for torch.
 _COMMANDS = ("conveyor.cli.generate", "conveyor.server.cli", "conveyor.bench.cli",
-             "conveyor.planner.cli")
+             "conveyor.planner.cli", "conveyor.sim.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

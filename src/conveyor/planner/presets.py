@@ -76,6 +76,18 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
+# Device-to-device links for tensor parallelism: bandwidth in GB/s, one direction per GPU.
+LINK_PRESETS: dict[str, float] = {
+    "nvlink3": 300 * GB,  # A100 NVLink 3 (600 GB/s both directions)
+    "nvlink4": 450 * GB,  # H100/H200 NVLink 4 (900 GB/s both directions)
+    "pcie4": 32 * GB,  # PCIe 4.0 x16
+    "pcie5": 64 * GB,  # PCIe 5.0 x16
+}
+# The link each device preset usually comes with (SXM boards; the L4 and A10G are PCIe cards).
+DEVICE_LINKS = {"A10G": "pcie4", "L4": "pcie4", "A100-40GB": "nvlink3", "A100-80GB": "nvlink3",
+                "H100-80GB": "nvlink4", "H200": "nvlink4"}
+
+
 def _lookup(table: Mapping[str, T], name: str, flag: str) -> T:
     # Case-insensitive: "a100-80gb" and "Llama-2-7B" are what people type.
     by_lower = {key.lower(): key for key in table}
@@ -93,3 +105,13 @@ def model_preset(name: str) -> ModelConfig:
 def device_preset(name: str) -> DeviceSpec:
     """The built-in ``DeviceSpec`` called ``name`` (case-insensitive)."""
     return _lookup(DEVICE_PRESETS, name, "--device")
+
+
+def link_preset(name: str) -> float:
+    """Bytes/s of the built-in link called ``name`` (case-insensitive)."""
+    return _lookup(LINK_PRESETS, name, "--link")
+
+
+def default_link(device: str) -> float:
+    """Bytes/s of the link a device preset usually has (PCIe 4.0 when unknown)."""
+    return LINK_PRESETS[DEVICE_LINKS.get(device, "pcie4")]

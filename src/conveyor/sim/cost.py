@@ -1,0 +1,272 @@
+"""Step cost models of `conveyor simulate`: seconds one engine step takes, from its shape.
+
+Torch-free. A step is described by a ``StepShape`` (read off the scheduler's output); a cost
+model turns it into seconds:
+
+- ``RooflineCost``: the planner's device and model presets. Three rooflines summed, each the
+  larger of its memory time and its compute time: the linear layers (every weight read once,
+  2 FLOPs per parameter per token), decode attention (the decoding sequences' KV read once,
+  4 FLOPs per head dimension per attended position) and prefill attention (the chunk's KV
+  prefix read, the quadratic FLOPs); plus a fixed per-step overhead, swap copies over the
+  host link, and with tensor parallelism two ring all-reduces per layer over the device link.
+- ``MeasuredCost``: a profile written by ``conveyor bench profile`` on this machine, a linear
+  model in five terms fitted by least squares (see ``TERMS``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from conveyor.config import ModelConfig
+from conveyor.core.outputs import SchedulerOutput
+from conveyor.planner.plan import DeviceSpec
+
+# Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
+ALLREDUCE_LATENCY_S = 10e-6
+# Host <-> device copies of swapped blocks (PCIe 4.0 x16, one direction, achieved).
+HOST_LINK_BYTES_PER_S = 25e9
+PROFILE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as far as its cost goes."""
+
+    num_seqs: int = 0  # requests in the step
+    num_decode: int = 0  # requests computing one token past their prompt
+    num_prefill_tokens: int = 0  # tokens of prompt (or recompute) chunks
+    decode_context: int = 0  # positions the decodes attend to (KV read), summed
+    prefill_context: int = 0  # KV positions the prefill chunks read (prefix + chunk), summed
+    prefill_attention: int = 0  # (query, key) pairs of the prefill chunks (causal), summed
+    num_swapped_blocks: int = 0  # blocks copied to or from host memory
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode + self.num_prefill_tokens
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        """The shape of a scheduled step (decode as the engine's trace counts it: one new
+        token of a request that already has KV)."""
+        num_decode = decode_context = prefill_tokens = prefill_context = pairs = 0
+        for item in out.scheduled:
+            n, c = item.num_new_tokens, item.num_computed_tokens
+            if n == 1 and c:
+                num_decode += 1
+                decode_context += c + 1
+            else:
+                prefill_tokens += n
+                prefill_context += c + n
+                pairs += n * c + n * (n + 1) // 2
+        return cls(num_seqs=len(out.scheduled), num_decode=num_decode,
+                   num_prefill_tokens=prefill_tokens, decode_context=decode_context,
+                   prefill_context=prefill_context, prefill_attention=pairs,
+                   num_swapped_blocks=len(out.swap_out) + len(out.swap_in))
+
+
+class CostModel(Protocol):
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds the step takes."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The model's parameters, for the report."""
+        ...
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """Roofline step time of ``model`` on ``tp`` x ``device`` (see the module docstring)."""
+
+    model: ModelConfig
+    device: DeviceSpec
+    dtype_bytes: int = 2
+    kv_bytes_per_token: int = 0  # whole model (all KV heads); 0: the model's, at dtype_bytes
+    tp: int = 1
+    link_bytes_per_s: float = 300e9  # device-to-device link, one direction (NVLink 3)
+    step_overhead_s: float = 1e-3  # scheduling, launches, sampling: fixed per step
+    block_size: int = 16  # tokens per KV block (swap copies move whole blocks)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.step_overhead_s < 0:
+            raise ValueError(f"--step-overhead-ms must be >= 0, got {self.step_overhead_s * 1e3}")
+        if not self.link_bytes_per_s > 0:
+            raise ValueError(f"--link-gbs must be > 0, got {self.link_bytes_per_s / 1e9}")
+
+    @property
+    def kv_per_token_per_device(self) -> float:
+        total = self.kv_bytes_per_token or self.model.kv_bytes_per_token(self.dtype_bytes)
+        heads = self.model.num_key_value_heads
+        return total / heads * math.ceil(heads / self.tp)
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.num_seqs == 0:
+            return 0.0
+        cfg, dev, tp = self.model, self.device, self.tp
+        bw, peak = dev.bandwidth_bytes_per_s, dev.flops_per_s
+        params = cfg.num_parameters()
+        linear = max(params * self.dtype_bytes / tp / bw, 2 * params * shape.num_tokens / tp / peak)
+        kv = self.kv_per_token_per_device
+        # QK^T and PV: 2 FLOPs each per query head dimension per attended position.
+        attn_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim / tp
+        decode = max(shape.decode_context * kv / bw, shape.decode_context * attn_flops / peak)
+        prefill = max(shape.prefill_context * kv / bw, shape.prefill_attention * attn_flops / peak)
+        swap = shape.num_swapped_blocks * self.block_size * kv / HOST_LINK_BYTES_PER_S
+        return linear + decode + prefill + self.allreduce_time(shape.num_tokens) + swap \
+            + self.step_overhead_s
+
+    def allreduce_time(self, num_tokens: int) -> float:
+        """Two ring all-reduces per layer (after attention and after the MLP) of the step's
+        hidden states: each device sends and receives 2 (tp - 1) / tp of the message."""
+        if self.tp == 1:
+            return 0.0
+        message = num_tokens * self.model.hidden_size * self.dtype_bytes
+        one = 2 * (self.tp - 1) / self.tp * message / self.link_bytes_per_s + ALLREDUCE_LATENCY_S
+        return 2 * self.model.num_hidden_layers * one
+
+    def describe(self) -> dict[str, Any]:
+        return {"cost_model": "roofline", "device": self.device.name, "tp": self.tp,
+                "dtype_bytes": self.dtype_bytes,
+                "kv_bytes_per_token_per_device": self.kv_per_token_per_device,
+                "bandwidth_gb_s": self.device.bandwidth_bytes_per_s / 1e9,
+                "peak_tflop_s": self.device.flops_per_s / 1e12,
+                "link_gb_s": self.link_bytes_per_s / 1e9,
+                "step_overhead_ms": self.step_overhead_s * 1e3}
+
+
+# ---------------------------------------------------------------------------- measured
+# The measured model: step time = sum of coefficient x term, coefficients >= 0, fitted by
+# least squares on relative error over the profile's steps. Each term is one cost the
+# engine pays: a fixed per-step cost (weights read, scheduling), a cost per token computed
+# (matmul FLOPs), per sequence (sampling, bookkeeping), per KV position a decode reads
+# (attention), and per (query, key) pair of prefill attention (quadratic in the chunk).
+TERMS = ("step", "token", "seq", "decode_context", "prefill_attention")
+
+
+def term_values(shape: StepShape) -> list[float]:
+    return [1.0, float(shape.num_tokens), float(shape.num_seqs), float(shape.decode_context),
+            float(shape.prefill_attention + shape.prefill_context)]
+
+
+def fit_terms(shapes: Sequence[StepShape], times: Sequence[float]) -> list[float]:
+    """Non-negative least squares on relative error: terms whose coefficient comes out
+    negative are dropped (set to 0) and the rest refitted, until all are >= 0."""
+    import numpy as np
+
+    if len(shapes) < len(TERMS):
+        raise ValueError(f"a fit needs at least {len(TERMS)} measured steps, got {len(shapes)}")
+    rows = np.array([term_values(s) for s in shapes], dtype=np.float64)
+    y = np.asarray(times, dtype=np.float64)
+    weights = 1.0 / y  # relative error: a 10 ms step matters as much as a 1 s one
+    active = list(range(len(TERMS)))
+    while True:
+        a = rows[:, active] * weights[:, None]
+        coef, *_ = np.linalg.lstsq(a, y * weights, rcond=None)
+        if (coef >= 0).all():
+            break
+        active.pop(int(np.argmin(coef)))
+    full = [0.0] * len(TERMS)
+    for i, c in zip(active, coef, strict=True):
+        full[i] = float(c)
+    return full
+
+
+# fit_robust drops steps whose relative residual exceeds this many times the median one
+# (a step slowed down by another process on a shared machine) and fits again.
+OUTLIER_FACTOR = 3.0
+
+
+def fit_robust(shapes: Sequence[StepShape], times: Sequence[float]) -> list[float]:
+    """fit_terms, then once more without the outlying steps."""
+    coef = fit_terms(shapes, times)
+    residuals = [abs(sum(c * v for c, v in zip(coef, term_values(s), strict=True)) - t) / t
+                 for s, t in zip(shapes, times, strict=True)]
+    limit = OUTLIER_FACTOR * sorted(residuals)[len(residuals) // 2]
+    kept = [i for i, r in enumerate(residuals) if r <= limit]
+    if len(kept) <= len(TERMS) or len(kept) == len(shapes):
+        return coef
+    return fit_terms([shapes[i] for i in kept], [times[i] for i in kept])
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    """A short hash of the model's shape: a profile only applies to the model it measured."""
+    text = json.dumps(asdict(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `conveyor bench profile` writes: the fitted coefficients and what they apply to."""
+
+    model: str  # the model's served name
+    model_path: str | None  # the --model it was measured with (None: the default model)
+    model_fingerprint: str  # model_fingerprint of its config
+    engine_version: str  # conveyor.__version__ of the engine measured
+    dtype: str  # the engine's resolved dtype
+    kv_cache_dtype: str
+    device: str  # "cpu" | "cuda"
+    machine: str  # CPU or GPU model name
+    coefficients: dict[str, float]  # TERMS -> seconds per unit
+    samples: list[dict[str, Any]]  # {shape fields..., "time_s": measured}
+    median_abs_error: float  # of the fit over the samples, relative
+    date: str = ""
+    format: int = PROFILE_FORMAT
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--profile: cannot read {path}: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"--profile: {path} is not a profile of format {PROFILE_FORMAT} "
+                             "written by `conveyor bench profile`")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"--profile: {path} is malformed: {e}") from None
+
+    def check_matches(self, model: str, fingerprint: str, engine_version: str,
+                      kv_cache_dtype: str) -> None:
+        """Refuse (ValueError) a profile measured on another model or engine version."""
+        if fingerprint != self.model_fingerprint:
+            raise ValueError(f"--profile was measured on model {self.model!r}, not {model!r} "
+                             f"(model shapes differ); run `conveyor bench profile --model ...` "
+                             "for this model")
+        if engine_version != self.engine_version:
+            raise ValueError(f"--profile was measured with conveyor {self.engine_version}, "
+                             f"this is {engine_version}; measure again with `conveyor bench "
+                             "profile`")
+        if kv_cache_dtype != self.kv_cache_dtype:
+            raise ValueError(f"--profile was measured with kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r}, not {kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """Step time from a profile's fitted coefficients."""
+
+    profile: Profile
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.num_seqs == 0:
+            return 0.0
+        coef = [self.profile.coefficients[t] for t in TERMS]
+        return sum(c * v for c, v in zip(coef, term_values(shape), strict=True))
+
+    def describe(self) -> dict[str, Any]:
+        p = self.profile
+        return {"cost_model": "measured", "model": p.model, "machine": p.machine,
+                "dtype": p.dtype, "coefficients": p.coefficients,
+                "profile_median_abs_error": p.median_abs_error, "profile_date": p.date}
