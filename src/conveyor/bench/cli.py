@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.set_defaults(func=run_http_cmd)
     _register_compare(sub)
     _register_sweep(sub)
+    _register_web(sub)
 
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
@@ -185,6 +186,39 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         roofline_context_len=args.roofline_context_len, plot_dir=args.plot_dir)
     report = run_sweep(engine_args_from(args), config)
     _emit(report, args, format_sweep)
+    return 0
+
+
+def _register_web(sub: argparse._SubParsersAction) -> None:
+    from conveyor.bench.web_overhead import WATCHERS, WebOverheadConfig
+
+    defaults = WebOverheadConfig()
+    p = sub.add_parser("web", help="the engine's throughput with the web page's live view "
+                       "open vs not, alternating runs on one `conveyor serve`")
+    p.add_argument("--num-requests", type=int, default=defaults.num_requests,
+                   help="requests of the skewed workload per run")
+    p.add_argument("--rounds", type=int, default=defaults.rounds,
+                   help="pairs of runs (watched, unwatched)")
+    p.add_argument("--watcher", choices=WATCHERS, default=defaults.watcher,
+                   help="events: a client reading /v1/engine/events; page: the page itself "
+                        "in headless chromium (Playwright)")
+    p.add_argument("--workload-seed", type=int, default=defaults.workload_seed)
+    p.add_argument("--json", action="store_true", help="print the JSON result only")
+    p.add_argument("--result-file", default=None, help="write the JSON result here")
+    add_engine_args(p)
+    p.set_defaults(func=run_web_cmd)
+
+
+def run_web_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.web_overhead import (
+        WebOverheadConfig,
+        format_web_overhead,
+        run_web_overhead,
+    )
+
+    config = WebOverheadConfig(num_requests=args.num_requests, rounds=args.rounds,
+                               watcher=args.watcher, workload_seed=args.workload_seed)
+    _emit(run_web_overhead(engine_args_from(args), config), args, format_web_overhead)
     return 0
 
 

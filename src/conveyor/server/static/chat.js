@@ -77,7 +77,8 @@ function setBusy(busy) {
 
 function requestBody() {
   const { system, temperature, maxTokens } = chat.el;
-  const messages = chat.messages.filter((m) => m.role !== "error")
+  // Answers that failed before their first token say nothing: they are not sent back.
+  const messages = chat.messages.filter((m) => m.content)
     .map(({ role, content }) => ({ role, content }));
   if (system.value.trim()) messages.unshift({ role: "system", content: system.value });
   return {
@@ -86,8 +87,8 @@ function requestBody() {
   };
 }
 
-// Streams one answer into `answer` (a message object) and its element `view`.
-async function streamAnswer(answer, view, signal) {
+// Streams the answer to `body` into `answer` (a message object) and its element `view`.
+async function streamAnswer(body, answer, view, signal) {
   const started = performance.now();
   let first = null, last = null, chunks = 0, usageTokens = null;
   const finish = (note) => {
@@ -100,7 +101,7 @@ async function streamAnswer(answer, view, signal) {
     view.stats.textContent = statsText(answer.stats);
   };
   try {
-    const response = await api.postJSON("/v1/chat/completions", requestBody(), signal);
+    const response = await api.postJSON("/v1/chat/completions", body, signal);
     if (!response.ok) throw new Error(await api.errorText(response));
     for await (const { data } of api.events(response)) {
       if (data === "[DONE]") break;
@@ -128,13 +129,14 @@ async function send(text) {
   if (!chat.model) await fetchModel();
   chat.messages.push({ role: "user", content: text });
   addMessageElement(chat.messages.at(-1));
+  const body = requestBody();
   const answer = { role: "assistant", content: "", stats: null };
   chat.messages.push(answer);
   const view = addMessageElement(answer);
   chat.controller = new AbortController();
   setBusy(true);
   saveChat();
-  await streamAnswer(answer, view, chat.controller.signal);
+  await streamAnswer(body, answer, view, chat.controller.signal);
   chat.controller = null;
   setBusy(false);
   saveChat();

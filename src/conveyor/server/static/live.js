@@ -214,9 +214,11 @@ async function connectEvents() {
 
 document.getElementById("load").addEventListener("click", async () => {
   const status = document.getElementById("load-status");
-  const n = Number(document.getElementById("load-n").value);
+  const body = { num_requests: Number(document.getElementById("load-n").value) };
+  const cap = document.getElementById("load-max-tokens").value;
+  if (cap) body.max_tokens = Number(cap);
   status.textContent = "sending…";
-  const response = await api.postJSON("/v1/engine/load", { num_requests: n });
+  const response = await api.postJSON("/v1/engine/load", body);
   status.textContent = response.ok
     ? `${(await response.json()).request_ids.length} requests sent`
     : await api.errorText(response);
