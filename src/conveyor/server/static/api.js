@@ -22,7 +22,10 @@ const api = {
         const input = document.getElementById("key-input");
         input.value = api.key();
         dialog.addEventListener("close", () => {
-          if (dialog.returnValue === "ok") localStorage.setItem(KEY_STORAGE, input.value.trim());
+          if (dialog.returnValue === "ok") {
+            localStorage.setItem(KEY_STORAGE, input.value.trim());
+            window.dispatchEvent(new Event("conveyor-key"));
+          }
           api._asking = null;
           resolve(dialog.returnValue === "ok");
         }, { once: true });
@@ -33,7 +36,8 @@ const api = {
     return api._asking;
   },
 
-  // fetch with the key; a 401 asks for the key and tries again (until the user cancels).
+  // fetch with the key; a 401 asks for the key and tries again (until the user cancels:
+  // then the 401 is returned).
   async fetch(path, options = {}) {
     for (;;) {
       const response = await fetch(path, { ...options, headers: api.headers(options.headers) });

@@ -198,6 +198,11 @@ async function connectEvents() {
   for (;;) {
     try {
       const response = await api.fetch("/v1/engine/events");
+      if (response.status === 401) {  // the key dialog was cancelled: wait for a key
+        status.textContent = "(needs the API key)";
+        await new Promise((resolve) => window.addEventListener("conveyor-key", resolve, { once: true }));
+        continue;
+      }
       if (!response.ok) throw new Error(await api.errorText(response));
       status.textContent = "(live)";
       for await (const { event, data } of api.events(response)) {
