@@ -190,18 +190,24 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 
 def _register_web(sub: argparse._SubParsersAction) -> None:
-    from conveyor.bench.web_overhead import WATCHERS, WebOverheadConfig
+    from conveyor.bench.web_overhead import MODES, WATCHERS, WebOverheadConfig
 
     defaults = WebOverheadConfig()
-    p = sub.add_parser("web", help="the engine's throughput with the web page's live view "
-                       "open vs not, alternating runs on one `conveyor serve`")
+    p = sub.add_parser("web", help="what the web page's live view costs the engine: the "
+                       "time its listener and publisher take in one run (cost), or "
+                       "throughput open vs not on one `conveyor serve` (ab)")
+    p.add_argument("--mode", choices=MODES, default=defaults.mode,
+                   help="cost: one offline run, the live view's share of its time; ab: "
+                        "alternating HTTP runs with and without a watcher")
     p.add_argument("--num-requests", type=int, default=defaults.num_requests,
-                   help="requests of the skewed workload per run")
+                   help="requests per run (cost: the head-of-line mix; ab: skewed)")
     p.add_argument("--rounds", type=int, default=defaults.rounds,
-                   help="pairs of runs (watched, unwatched)")
+                   help="ab: pairs of runs (watched, unwatched)")
     p.add_argument("--watcher", choices=WATCHERS, default=defaults.watcher,
-                   help="events: a client reading /v1/engine/events; page: the page itself "
+                   help="ab: events: a client reading /v1/engine/events; page: the page itself "
                         "in headless chromium (Playwright)")
+    p.add_argument("--long-output", type=int, default=defaults.long_output,
+                   help="cost: output tokens of the long requests (one in eight)")
     p.add_argument("--workload-seed", type=int, default=defaults.workload_seed)
     p.add_argument("--json", action="store_true", help="print the JSON result only")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
@@ -217,7 +223,8 @@ def run_web_cmd(args: argparse.Namespace) -> int:
     )
 
     config = WebOverheadConfig(num_requests=args.num_requests, rounds=args.rounds,
-                               watcher=args.watcher, workload_seed=args.workload_seed)
+                               watcher=args.watcher, workload_seed=args.workload_seed,
+                               mode=args.mode, long_output=args.long_output)
     _emit(run_web_overhead(engine_args_from(args), config), args, format_web_overhead)
     return 0
 

