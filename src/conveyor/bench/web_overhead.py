@@ -5,7 +5,8 @@ through `LLM.generate`, with the live view's listener recording every step as if
 were open, and a thread publishing events every 0.2 s as the server's event loop does.
 Printed: the time spent in the listener (in the loop thread) and in publishing (holding the
 GIL beside it), as shares of the run's wall time: together, an upper bound on the
-throughput an open page takes, from one run.
+throughput an open page takes, from one run; and the time spent building the step traces,
+which the web UI costs with no page open too.
 
 `--mode ab`: one `conveyor serve` subprocess; the skewed workload (greedy, ignore_eos: the same tokens
 every run) is sent at once, `rounds` times with the live view's stream open and `rounds`
@@ -157,14 +158,15 @@ async def _rounds(url: str, config: WebOverheadConfig) -> list[tuple[float, floa
 class _Timed:
     """Seconds spent in a callable, summed over its calls."""
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn, self.seconds, self.calls = fn, 0.0, 0
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: Any) -> Any:
         start = time.perf_counter()
-        self.fn(*args)
+        result = self.fn(*args)
         self.seconds += time.perf_counter() - start
         self.calls += 1
+        return result
 
 
 def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
@@ -180,6 +182,9 @@ def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
     on_trace, on_step, publish = (_Timed(events.on_trace), _Timed(events.on_step),
                                   _Timed(events.publish))
     llm.engine.trace_listener = on_trace
+    # Building each step's StepTrace: paid whenever the web UI is on, page open or not.
+    trace_step = _Timed(llm.engine._trace_step)
+    llm.engine._trace_step = trace_step  # type: ignore[method-assign, assignment]
     requests = HeadOfLineWorkload(num_requests=config.num_requests, seed=config.workload_seed,
                                   long_output=config.long_output).requests(
         llm.engine.model_config.vocab_size)
@@ -203,7 +208,8 @@ def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
     return {"mode": "cost", "num_requests": config.num_requests, "wall_s": wall,
             "steps": on_trace.calls, "output_tokens_per_s": tokens / wall,
             "listener_s": on_trace.seconds + on_step.seconds, "publishes": publish.calls,
-            "publish_s": publish.seconds,
+            "publish_s": publish.seconds, "trace_s": trace_step.seconds,
+            "trace_share": trace_step.seconds / wall,
             "listener_share": (on_trace.seconds + on_step.seconds) / wall,
             "publish_share": publish.seconds / wall,
             "total_share": (on_trace.seconds + on_step.seconds + publish.seconds) / wall}
@@ -237,6 +243,7 @@ def format_web_overhead(r: dict[str, Any]) -> str:
             " the live view's cost, one page open ".center(60, "="),
             f"{'steps, wall time:':<42}{r['steps']:>8}{r['wall_s']:>9.1f} s",
             f"{'output throughput (tok/s):':<42}{r['output_tokens_per_s']:>17.1f}",
+            f"{'building step traces (web UI on):':<42}{100 * r['trace_share']:>15.3f} %",
             f"{'in the listeners (loop thread):':<42}{100 * r['listener_share']:>15.3f} %",
             f"{'publishing (' + str(r['publishes']) + ' events):':<42}"
             f"{100 * r['publish_share']:>15.3f} %",
