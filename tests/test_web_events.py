@@ -22,7 +22,7 @@ from server_fixtures import ServerProcess, start_server, wait_idle
 KEY = "web-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NUM_BATCHED_TOKENS = 64
-EVENT_TIMEOUT_S = 30.0
+EVENT_TIMEOUT_S = 120.0  # generous: the machine may be shared by other jobs
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_a_client_that_leaves_leaves_nothing_behind(server: ServerProcess) -> No
 
 def test_open_events_streams_do_not_hold_up_shutdown(tiny_llama_dir: Any) -> None:
     server = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
-                          "--kv-cache-memory", "1MiB", "--shutdown-timeout", "20")
+                          "--kv-cache-memory", "1MiB", "--shutdown-timeout", "60")
     ended = threading.Event()
 
     def read() -> None:
@@ -177,7 +177,7 @@ def test_open_events_streams_do_not_hold_up_shutdown(tiny_llama_dir: Any) -> Non
         time.sleep(1.0)
         started = time.monotonic()
         assert server.stop() == 0, server.log_tail()
-        assert time.monotonic() - started < 10, "shutdown waited for the events stream"
+        assert time.monotonic() - started < 30, "shutdown waited for the events stream"
         assert ended.wait(10), "the events stream did not end with the server"
     finally:
         server.remove_log()

@@ -129,18 +129,20 @@ def test_the_load_button_shows_requests_batched(page: Any, server: ServerProcess
         page.wait_for_function("() => document.getElementById('running').textContent === '0'")
 
 
-def test_the_page_asks_for_the_api_key_once(tiny_llama_dir: Any, tmp_path: Any) -> None:
-    server = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
-                          "--kv-cache-memory", "1MiB", "--api-key", "page-key",
-                          api_key="page-key")
+def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,
+                                            tiny_llama_dir: Any, tmp_path: Any) -> None:
+    keyed = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
+                         "--kv-cache-memory", "1MiB", "--api-key", "page-key",
+                         api_key="page-key")
     try:
-        with browser_page() as page, screenshot_on_failure(page, tmp_path, "key"):
-            page.goto(server.base_url + "/")
+        # Another port, another origin: nothing in local storage for it yet.
+        with screenshot_on_failure(page, tmp_path, "key"):
+            page.goto(keyed.base_url + "/")
             page.wait_for_selector("#key-dialog[open]")
             page.fill("#key-input", "page-key")
             page.click("#key-save")
             page.wait_for_function("m => document.getElementById('model').textContent === m",
-                                   arg=server.model)
+                                   arg=keyed.model)
             page.wait_for_function("() => document.getElementById('live-status').textContent"
                                    " === '(live)'")
             page.reload()  # the key is kept: no second question
@@ -148,5 +150,6 @@ def test_the_page_asks_for_the_api_key_once(tiny_llama_dir: Any, tmp_path: Any) 
                                    " === '(live)'")
             assert not page.is_visible("#key-dialog")
     finally:
-        assert server.stop() == 0, server.log_tail()
-        server.remove_log()
+        page.goto(server.base_url + "/")  # the module's page, back on its server
+        assert keyed.stop() == 0, keyed.log_tail()
+        keyed.remove_log()
