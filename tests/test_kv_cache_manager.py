@@ -190,3 +190,21 @@ def test_free_evicts_the_tail_before_the_head() -> None:
     assert kv.get_computed_blocks(r) == (table[:3], 12)
     kv.free(other)
     _all_free(kv)
+
+
+def test_block_map_shows_tables_shared_prefix_blocks_and_cached_free_ones() -> None:
+    kv = KVCacheManager(16, BS)
+    first = make_request("a", range(10))  # blocks [0-3] [4-7] [8-9]
+    table_a = _compute(kv, first)
+    second = make_request("b", [*range(8), 50, 51])  # shares a's two full blocks
+    table_b = _compute(kv, second)
+    live = kv.block_map()
+    assert live.num_blocks == 16
+    assert live.tables == {"a": tuple(table_a), "b": tuple(table_b)}
+    assert live.shared == tuple(sorted(table_a[:2])) and live.cached == ()
+    kv.free(first)
+    kv.free(second)
+    idle = kv.block_map()
+    assert idle.tables == {} and idle.shared == ()
+    assert sorted(idle.cached) == sorted(table_a[:2])  # full blocks stay findable
+    _all_free(kv)

@@ -1,5 +1,6 @@
 """`pip install .` (a wheel, not an editable install) carries everything its kernels are
-compiled from: a wheel missing a header would silently fall back to the slow torch ops.
+compiled from: a wheel missing a header would silently fall back to the slow torch ops. It
+carries the web page's files too (`conveyor serve` serves them from the package).
 
 The wheel is built from this checkout, installed into a fresh virtual environment (its
 dependencies seen through a path file to this interpreter's site-packages, whose own path
@@ -52,3 +53,5 @@ def test_a_wheel_install_builds_and_loads_the_kernels(tmp_path) -> None:
     assert "loaded from " + installed in result.stdout
     sources = {p.name for p in (ROOT / "src/conveyor/ops/csrc").iterdir()}
     assert sources == {p.name for p in (purelib / "conveyor/ops/csrc").iterdir()} - {"__pycache__"}
+    page = {p.name for p in (ROOT / "src/conveyor/server/static").iterdir()}
+    assert page == {p.name for p in (purelib / "conveyor/server/static").iterdir()}

@@ -45,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_compare(sub)
     _register_sweep(sub)
     _register_profile(sub)
+    _register_web(sub)
 
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
@@ -213,6 +214,46 @@ def run_profile_cmd(args: argparse.Namespace) -> int:
     profile = run_profile(engine_args_from(args), grid)
     profile.save(args.output)
     print(format_profile(profile, args.output))
+    return 0
+
+
+def _register_web(sub: argparse._SubParsersAction) -> None:
+    from conveyor.bench.web_overhead import MODES, WATCHERS, WebOverheadConfig
+
+    defaults = WebOverheadConfig()
+    p = sub.add_parser("web", help="what the web page's live view costs the engine: the "
+                       "time its listener and publisher take in one run (cost), or "
+                       "throughput open vs not on one `conveyor serve` (ab)")
+    p.add_argument("--mode", choices=MODES, default=defaults.mode,
+                   help="cost: one offline run, the live view's share of its time; ab: "
+                        "alternating HTTP runs with and without a watcher")
+    p.add_argument("--num-requests", type=int, default=defaults.num_requests,
+                   help="requests per run (cost: the head-of-line mix; ab: skewed)")
+    p.add_argument("--rounds", type=int, default=defaults.rounds,
+                   help="ab: pairs of runs (watched, unwatched)")
+    p.add_argument("--watcher", choices=WATCHERS, default=defaults.watcher,
+                   help="ab: events: a client reading /v1/engine/events; page: the page itself "
+                        "in headless chromium (Playwright)")
+    p.add_argument("--long-output", type=int, default=defaults.long_output,
+                   help="cost: output tokens of the long requests (one in eight)")
+    p.add_argument("--workload-seed", type=int, default=defaults.workload_seed)
+    p.add_argument("--json", action="store_true", help="print the JSON result only")
+    p.add_argument("--result-file", default=None, help="write the JSON result here")
+    add_engine_args(p)
+    p.set_defaults(func=run_web_cmd)
+
+
+def run_web_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.web_overhead import (
+        WebOverheadConfig,
+        format_web_overhead,
+        run_web_overhead,
+    )
+
+    config = WebOverheadConfig(num_requests=args.num_requests, rounds=args.rounds,
+                               watcher=args.watcher, workload_seed=args.workload_seed,
+                               mode=args.mode, long_output=args.long_output)
+    _emit(run_web_overhead(engine_args_from(args), config), args, format_web_overhead)
     return 0
 
 

@@ -22,20 +22,19 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from conveyor.bench.palette import (  # noqa: E402  (re-exported: the plots' names)
+    CATEGORIES,
+    DECODE,
+    IDLE,
+    PREEMPTED,
+    PREFILL,
+    STALLED,
+    WAITING,
+)
 from conveyor.engine.stats import StepTrace  # noqa: E402
 
 Trace = Sequence[StepTrace]
 
-# Timeline cell categories: (value in the matrix, legend label, colour).
-IDLE, WAITING, PREFILL, DECODE, PREEMPTED, STALLED = range(6)
-CATEGORIES = (
-    (IDLE, "not arrived / finished", "#ffffff"),
-    (WAITING, "waiting", "#d9d9d9"),
-    (PREFILL, "prefill", "#1f77b4"),
-    (DECODE, "decode", "#2ca02c"),
-    (PREEMPTED, "preempted", "#d62728"),
-    (STALLED, "running, not scheduled", "#ff7f0e"),
-)
 DPI = 110
 
 

@@ -144,6 +144,10 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks that still hold a registered prefix (a later prompt may hit them)."""
+        return [b for b in self._free if self.blocks[b].block_hash is not None]
+
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._free):
             block = self.blocks[block_id]

@@ -6,12 +6,24 @@ step's tokens be placed (and place them), and free a request. Nothing here touch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from conveyor.core.block_pool import BlockHash, BlockPool, hash_block
 from conveyor.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Who holds which device block now (the web page's block map)."""
+
+    num_blocks: int  # device blocks
+    tables: dict[str, tuple[int, ...]]  # request id -> its block table (a copy)
+    shared: tuple[int, ...]  # blocks in more than one table (a shared prompt prefix)
+    cached: tuple[int, ...]  # free blocks that keep a cached prefix for later prompts
 
 
 class KVCacheManager:
@@ -185,6 +197,14 @@ class KVCacheManager:
         self._free_host_blocks.extend(self.swapped.pop(request.request_id, []))
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+
+    def block_map(self) -> BlockMap:
+        """A snapshot of the block tables; O(blocks in use + free blocks)."""
+        blocks = self.pool.blocks
+        tables = {rid: tuple(table) for rid, table in self.block_tables.items()}
+        shared = {b for table in tables.values() for b in table if blocks[b].ref_count > 1}
+        return BlockMap(self.num_blocks, tables, tuple(sorted(shared)),
+                        tuple(self.pool.cached_free_blocks()))
 
     def num_live_requests(self) -> int:
         return len(self.block_tables)

@@ -187,6 +187,11 @@ class AsyncEngine:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def is_accepting(self) -> bool:
+        """False once shutdown began (or before start): new requests are refused."""
+        return self._accepting and self._thread is not None and self.dead_error is None
+
+    @property
     def num_unfinished(self) -> int:
         return len(self._streams)
 

@@ -12,11 +12,11 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
-from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.kv_cache_manager import BlockMap, KVCacheManager
 from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
@@ -80,6 +80,9 @@ class LLMEngine:
         self.num_consecutive_step_failures = 0
         # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
         self.step_trace: list[StepTrace] | None = [] if args.step_trace else None
+        # Called with every step's StepTrace when set (the server's live view keeps only a
+        # window of them); it must not raise. Set before the first step, by the loop's owner.
+        self.trace_listener: Callable[[StepTrace], None] | None = None
         logger.info("loaded %s (%s, %s on %s) in %.1fs", checkpoint.path,
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
@@ -240,8 +243,12 @@ class LLMEngine:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0
         updated = self.scheduler.update(scheduler_output, runner_output)
-        if self.step_trace is not None:
-            self.step_trace.append(self._trace_step(scheduler_output, updated, start))
+        if self.step_trace is not None or self.trace_listener is not None:
+            trace = self._trace_step(scheduler_output, updated, start)
+            if self.step_trace is not None:
+                self.step_trace.append(trace)
+            if self.trace_listener is not None:
+                self.trace_listener(trace)
         return self._emit(updated, runner_output)
 
     def _emit(self, updated: list[Request], runner_output: ModelRunnerOutput
@@ -330,6 +337,10 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.finished_by_reason[seq.finish_reason] += 1
         return output
+
+    def block_map(self) -> BlockMap:
+        """Who holds which KV block now (loop thread only, like every method here)."""
+        return self.scheduler.kv_cache.block_map()
 
     def check_integrity(self) -> None:
         """KV invariants (with no request alive, every block is free)."""

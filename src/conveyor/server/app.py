@@ -17,7 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import conveyor
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.async_engine import AsyncEngine, StepListener
+from conveyor.engine.stats import EngineStats
+from conveyor.outputs import RequestOutput
 from conveyor.server.chat import create_chat_completion, render_prompt
 from conveyor.server.common import ServerState, check_model
 from conveyor.server.completions import create_completion
@@ -30,6 +32,7 @@ from conveyor.server.errors import (
     install_error_handlers,
     internal_error,
 )
+from conveyor.server.events import EngineEvents
 from conveyor.server.logs import AccessLog
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
@@ -45,6 +48,7 @@ from conveyor.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from conveyor.server.webui import add_web_ui
 
 # Paths that need the API key when one is set (health, version and metrics stay open).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/stats")
@@ -164,12 +168,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     engine.listener = metrics.on_step
     state = ServerState(engine, metrics, engine.model_name, config)
+    events = EngineEvents(engine) if config.web_ui else None
+    if events is not None:
+        engine.listener = _both(metrics.on_step, events.on_step)
+        engine.engine.trace_listener = events.on_trace
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        publisher = asyncio.create_task(events.run()) if events is not None else None
         yield
         await engine.shutdown(config.shutdown_timeout)
+        if publisher is not None:
+            publisher.cancel()
 
     app = FastAPI(title="conveyor", version=conveyor.__version__, lifespan=lifespan,
                   responses=_ERRORS)
@@ -182,7 +193,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         app.add_middleware(AccessLog)  # it times the whole request
     app.add_middleware(RequestIds)  # added last: the outermost
     _add_routes(app, state)
+    if events is not None:
+        add_web_ui(app, engine, events)
     return app
+
+
+def _both(first: StepListener, second: StepListener) -> StepListener:
+    def listener(outputs: list[RequestOutput], stats: EngineStats, now: float) -> None:
+        first(outputs, stats, now)
+        second(outputs, stats, now)
+
+    return listener
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -29,6 +29,8 @@ _HELP = {
     "timeout_read_body": "seconds a request's body may take to arrive after its headers",
     "disable_log_requests": "no access log line per request",
     "uvicorn_log_level": "uvicorn's own log level",
+    "web_ui": "serve the web page at / (chat, live engine view) and /v1/engine/events, "
+              "/v1/engine/load (--no-web-ui: none of it)",
 }
 
 

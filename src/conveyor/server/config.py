@@ -33,6 +33,8 @@ class ServerConfig:
     # Content-Length never sent in full): 408, then the connection closes.
     timeout_read_body: float = 60.0
     disable_log_requests: bool = False  # no access log line per request
+    # The page at / (chat, live engine view) and /v1/engine/events, /v1/engine/load.
+    web_ui: bool = True
     uvicorn_log_level: str = "warning"  # uvicorn's own messages (ours are at --log-level)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,155 @@
+"""The web page at / in a real browser (headless chromium through Playwright) against a real
+`conveyor serve` with the default model: a streamed chat answer, the stop button aborting
+the request on the server, and the load button's burst seen batched in the live view.
+A failing test leaves a screenshot of the page in its tmp dir (the error says where).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
+from web_fixtures import browser_page, screenshot_on_failure
+
+pytestmark = pytest.mark.slow  # loads the default model
+
+LAST_ANSWER = "#messages .msg.assistant:last-child"
+# Records every text the newest answer shows, to tell a streamed answer from one that
+# arrives whole.
+WATCH_ANSWER = """() => {
+  window.answerTexts = [];
+  new MutationObserver(() => {
+    const text = document.querySelector('ANSWER .text');
+    if (text) window.answerTexts.push(text.textContent);
+  }).observe(document.getElementById('messages'),
+             {subtree: true, childList: true, characterData: true});
+}""".replace("ANSWER", LAST_ANSWER)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = start_server("--max-model-len", "256", "--kv-cache-memory", "64MiB")
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+        proc.remove_log()
+
+
+@pytest.fixture(scope="module")
+def page(server: ServerProcess) -> Iterator[Any]:
+    with browser_page() as page:
+        page.goto(server.base_url + "/")
+        page.wait_for_function("m => document.getElementById('model').textContent === m",
+                               arg=server.model)
+        yield page
+
+
+def running(server: ServerProcess) -> float:
+    return metric_value(httpx.get(server.base_url + "/metrics").text,
+                        "conveyor:num_requests_running")
+
+
+def ask(page: Any, question: str, max_tokens: int) -> None:
+    page.click("#settings summary")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", str(max_tokens))
+    page.click("#settings summary")
+    page.evaluate(WATCH_ANSWER)
+    page.fill("#prompt", question)
+    page.press("#prompt", "Enter")
+
+
+def test_a_chat_answer_streams_in(page: Any, server: ServerProcess, tmp_path: Any) -> None:
+    with screenshot_on_failure(page, tmp_path, "chat"):
+        ask(page, "What is the capital of France?", 40)
+        page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .stats')"
+                               "?.textContent.includes('tokens')")
+        answer = page.inner_text(f"{LAST_ANSWER} .text")
+        assert "Paris" in answer  # greedy SmolLM2-135M-Instruct: "The capital of France is Paris."
+        partial = {t for t in page.evaluate("window.answerTexts") if t and t != answer}
+        assert partial, "the answer appeared whole, not streamed"
+        assert all(answer.startswith(t) for t in partial)
+        stats = page.inner_text(f"{LAST_ANSWER} .stats")
+        assert re.search(r"\d+ tokens · [\d.]+ tok/s · TTFT \d+ ms", stats), stats
+        page.reload()  # the conversation is kept in local storage
+        page.wait_for_selector(LAST_ANSWER)
+        assert page.inner_text(f"{LAST_ANSWER} .text") == answer
+        page.click("#new-chat")
+        assert page.locator("#messages .msg").count() == 0
+        wait_idle(server)
+
+
+def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess,
+                                               tmp_path: Any) -> None:
+    with screenshot_on_failure(page, tmp_path, "stop"):
+        ask(page, "Write a long story about a dragon who learns to sail.", 200)
+        page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .text')"
+                               "?.textContent.length > 20")
+        assert running(server) == 1
+        page.click("#stop")
+        deadline = time.monotonic() + 10
+        while running(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(server) == 0
+        stats = page.inner_text(f"{LAST_ANSWER} .stats")
+        assert "stopped" in stats
+        assert int(stats.split()[0]) < 200
+        metrics = wait_idle(server)
+        assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
+
+
+def test_the_load_button_shows_requests_batched(page: Any, server: ServerProcess,
+                                                tmp_path: Any) -> None:
+    with screenshot_on_failure(page, tmp_path, "load"):
+        page.fill("#load-n", "6")
+        page.fill("#load-max-tokens", "12")  # the long ones would take minutes on 2 busy cores
+        page.click("#load")
+        page.wait_for_function("() => document.getElementById('load-status').textContent"
+                               " === '6 requests sent'")
+        page.wait_for_function("() => Number(document.getElementById('peak-batch')"
+                               ".textContent) >= 2")
+        drawn = page.evaluate("""() => {
+          const c = document.getElementById('timeline');
+          const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+          let n = 0;
+          for (let i = 3; i < d.length; i += 4) n += d[i] > 0;
+          return n;
+        }""")
+        assert drawn > 0, "the timeline drew nothing"
+        metrics = wait_idle(server, timeout_s=300)
+        assert metric_value(metrics, "conveyor:num_requests_running") == 0
+        assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
+        page.wait_for_function("() => document.getElementById('running').textContent === '0'")
+
+
+def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,
+                                            tiny_llama_dir: Any, tmp_path: Any) -> None:
+    keyed = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
+                         "--kv-cache-memory", "1MiB", "--api-key", "page-key",
+                         api_key="page-key")
+    try:
+        # Another port, another origin: nothing in local storage for it yet.
+        with screenshot_on_failure(page, tmp_path, "key"):
+            page.goto(keyed.base_url + "/")
+            page.wait_for_selector("#key-dialog[open]")
+            page.fill("#key-input", "page-key")
+            page.click("#key-save")
+            page.wait_for_function("m => document.getElementById('model').textContent === m",
+                                   arg=keyed.model)
+            page.wait_for_function("() => document.getElementById('live-status').textContent"
+                                   " === '(live)'")
+            page.reload()  # the key is kept: no second question
+            page.wait_for_function("() => document.getElementById('live-status').textContent"
+                                   " === '(live)'")
+            assert not page.is_visible("#key-dialog")
+    finally:
+        page.goto(server.base_url + "/")  # the module's page, back on its server
+        assert keyed.stop() == 0, keyed.log_tail()
+        keyed.remove_log()
