@@ -29,6 +29,8 @@ _HELP = {
     "timeout_read_body": "seconds a request's body may take to arrive after its headers",
     "disable_log_requests": "no access log line per request",
     "uvicorn_log_level": "uvicorn's own log level",
+    "tool_call_parser": "how tool calls are read out of the model's text: hermes "
+                        "(<tool_call>{...}</tool_call>); needed for tool_choice auto",
 }
 
 
