@@ -172,3 +172,13 @@ def test_streamed_tool_calls_reassemble_to_the_whole(text: str) -> None:
                 streamed_calls += [call for _, call in new]
             assert (streamed or None) == content
             assert streamed_calls == calls
+
+
+def test_grammar_cache_counts_each_request_once(llm) -> None:
+    before = llm.stats()
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    llm.generate(PROMPTS[:3], _json(schema, temperature=0))
+    after = llm.stats()
+    assert after.grammar_compiles - before.grammar_compiles == 1
+    assert after.grammar_cache_hits - before.grammar_cache_hits == 2
+    assert after.grammar_compile_seconds > before.grammar_compile_seconds

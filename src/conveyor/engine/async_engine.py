@@ -231,7 +231,7 @@ class AsyncEngine:
         """Compile a request's constraint in a worker thread (the engine then finds it in the
         cache); GrammarError (a ValueError) when it is refused."""
         if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.compile_grammar, params)
+            await asyncio.to_thread(self.engine.compile_grammar, params, False)
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                           priority: int = 0, user: str | None = None) -> RequestStream:

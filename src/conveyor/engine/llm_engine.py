@@ -207,18 +207,19 @@ class LLMEngine:
         self.num_prompt_tokens += len(ids)
         return request_id
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile (or find cached) the request's constraint; ValueError when it is bad.
+    def compile_grammar(self, params: SamplingParams, count: bool = True) -> None:
+        """Compile (or find cached) the request's constraint; GrammarError (a ValueError)
+        when it is bad.
 
-        The server calls this in a worker thread before adding the request, so that the
-        engine loop only finds it in the cache."""
+        The server calls this (``count=False``) in a worker thread before adding the
+        request, so that the engine loop only finds it in the cache."""
         spec = params.structured_outputs
         if spec is None:
             return
         if self.grammars is None:
             raise ValueError("structured_outputs needs a model with a tokenizer")
         try:
-            self.grammars.compile(spec)
+            self.grammars.compile(spec, count)
         except GrammarError as e:
             raise GrammarError(f"structured_outputs.{e.kind}", e.detail) from None
 

@@ -170,7 +170,7 @@ class ModelRunner:
             if p.structured_outputs is not None:
                 if self.grammars is None:
                     raise ValueError("structured_outputs needs a model with a tokenizer")
-                matcher = self.grammars.compile(p.structured_outputs)  # cached at add
+                matcher = self.grammars.compile(p.structured_outputs, count=False)  # cached
                 matcher.consume_tokens(list(new.all_token_ids[new.num_prompt_tokens:]))
                 self.matchers[new.request_id] = matcher
 

@@ -70,6 +70,9 @@ class GrammarStats:
 class _Entry:
     future: Future[llguidance.LLMatcher]
     started: float  # time.monotonic() when submitted
+    # Made by an uncounted lookup (the server's compile ahead of adding the request): the
+    # first counted lookup is the request that caused the compile, not a cache hit.
+    unclaimed: bool = False
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -128,15 +131,20 @@ class GrammarCompiler:
                     eos_token=list(tok.eos_token_ids) or None)
             return self._ll_tokenizer
 
-    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher for one request. ValueError (bad constraint, too large, too slow
-        to compile) with a message that starts with the constraint's field."""
+    def compile(self, spec: StructuredOutputsParams, count: bool = True
+                ) -> llguidance.LLMatcher:
+        """A fresh matcher for one request. GrammarError (bad constraint, too large, too
+        slow to compile) with a message that starts with the constraint's kind.
+
+        ``count``: this lookup is the request's own (the engine adding it), counted in
+        the cache statistics; the server's compile ahead of it and the runner's copy are not.
+        """
         size = len(spec.json or spec.regex or spec.grammar or "") + sum(map(len, spec.choice or ()))
         if size > self.max_grammar_bytes:
             raise GrammarError(spec.kind, f"the constraint has {size} characters, more than "
                                f"the limit of {self.max_grammar_bytes} (max_grammar_bytes)")
         _ = self.ll_tokenizer  # built once (~1 s) outside any request's compile timeout
-        entry = self._entry(spec)
+        entry = self._entry(spec, count)
         remaining = self.compile_timeout - (time.monotonic() - entry.started)
         try:
             matcher = entry.future.result(timeout=max(remaining, 0.0))
@@ -147,14 +155,17 @@ class GrammarCompiler:
                                "(grammar_compile_timeout); simplify the constraint") from None
         return matcher.deep_copy()
 
-    def _entry(self, spec: StructuredOutputsParams) -> _Entry:
+    def _entry(self, spec: StructuredOutputsParams, count: bool) -> _Entry:
         with self._lock:
             entry = self._cache.get(spec)
             if entry is not None:
                 self._cache.move_to_end(spec)
-                self._stats = _add(self._stats, num_cache_hits=1)
+                if count and not entry.unclaimed:
+                    self._stats = _add(self._stats, num_cache_hits=1)
+                entry.unclaimed = entry.unclaimed and not count
                 return entry
-            entry = _Entry(self._pool.submit(self._build, spec), time.monotonic())
+            entry = _Entry(self._pool.submit(self._build, spec), time.monotonic(),
+                           unclaimed=not count)
             self._cache[spec] = entry
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
