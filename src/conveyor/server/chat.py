@@ -69,6 +69,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
+        calls = data.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of "
+                              '{"id", "type": "function", "function": {"name", "arguments"}}',
+                              "messages")
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
