@@ -9,6 +9,7 @@ its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. Ever
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
@@ -31,7 +32,7 @@ class Constraint:
 
 def request_constraint(req: _SamplingFields) -> Constraint | None:
     """The request's constraint, or None for free text; 400 when malformed or ambiguous."""
-    found: list[tuple[str, str, dict[str, object]]] = []  # (param, path, kwargs)
+    found: list[tuple[str, str, dict[str, Any]]] = []  # (param, path, kwargs)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         found.append(("response_format", "response_format", {"json_object": True}))
@@ -43,7 +44,7 @@ def request_constraint(req: _SamplingFields) -> Constraint | None:
                       {"json": fmt.json_schema.schema_}))
     if req.structured_outputs is not None:
         so = req.structured_outputs
-        kwargs = {k: v for k, v in (("json", so.json_), ("regex", so.regex),
+        kwargs: dict[str, Any] = {k: v for k, v in (("json", so.json_), ("regex", so.regex),
                                     ("choice", so.choice), ("grammar", so.grammar),
                                     ("json_object", so.json_object)) if v}
         kind = next(iter(kwargs), "")
@@ -59,7 +60,7 @@ def request_constraint(req: _SamplingFields) -> Constraint | None:
                           f"{', '.join(p for p, _, _ in found)}", found[1][0])
     param, path, kwargs = found[0]
     try:
-        return Constraint(StructuredOutputsParams(**kwargs), param, path)  # type: ignore[arg-type]
+        return Constraint(StructuredOutputsParams(**kwargs), param, path)
     except ValueError as e:
         raise bad_request(f"{path}: {e}", param) from None
 

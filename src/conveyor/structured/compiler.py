@@ -25,6 +25,8 @@ import llguidance
 from conveyor.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from conveyor.tokenizer.tokenizer import Tokenizer
 
 # Compiled grammars kept (least recently used evicted first).
@@ -33,7 +35,8 @@ GRAMMAR_CACHE_SIZE = 256
 COMPILE_THREADS = 2
 # JSON as the models in this field write it (Python's json.dumps separators), with no
 # free whitespace: a small model offered "any whitespace" can emit newlines forever.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                    "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -87,7 +90,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             schema = json.loads(spec.json)
         except json.JSONDecodeError as e:
             raise GrammarError("json", f"the schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
+        if not isinstance(schema, dict):
             raise GrammarError("json", f"a JSON Schema is an object, got "
                                f"{type(schema).__name__}")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
