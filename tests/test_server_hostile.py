@@ -175,8 +175,15 @@ def test_chat_rules_of_openai_and_vllm(server: ServerProcess, client: openai.Ope
     assert error["param"] == "stream_options"
     tool_turn = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
-    error = _bad_chat(client, server, messages=[*CHAT, tool_turn])
-    assert error["param"] == "messages" and "tool_calls" in error["message"]
+    # Tool turns render (issue 12); a tool_choice naming no tool is the client's error.
+    answer = client.chat.completions.create(
+        model=server.model, max_tokens=2,
+        messages=[*CHAT, tool_turn, {"role": "tool", "tool_call_id": "call_1", "content": "4"}])
+    assert answer.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    error = _bad_chat(client, server, messages=CHAT, tools=[tool],
+                      tool_choice={"type": "function", "function": {"name": "g"}})
+    assert error["param"] == "tool_choice" and "'g'" in error["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=server.model, prompt="Hi", max_tokens=2,
                                   stream_options={"include_usage": True})

@@ -213,6 +213,9 @@ class EngineArgs:
     priority_aging_steps: int = 64  # priority policy: one level more urgent per N steps waited
     tenant_weights: str = ""  # fair policy: "alice=2,bob=1"
     step_trace: bool = False  # record per-step scheduling decisions (engine.step_trace)
+    # Structured outputs: a grammar that takes longer to compile is refused (ValueError/400)
+    grammar_compile_timeout: float = 5.0  # seconds
+    max_grammar_bytes: int = 65536  # characters of a schema, regex, grammar or choices
     served_model_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -231,6 +234,10 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
                      self.max_num_batched_tokens)
+        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout", "> 0 seconds",
+                 self.grammar_compile_timeout)
+        _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
+                 self.max_grammar_bytes)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +17,56 @@ MAX_SEED = 2**63 - 1
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+# The forms of StructuredOutputsParams (vLLM's names); exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, enforced token by token (vLLM's field names).
+
+    Exactly one of: ``json`` (a JSON Schema, as a dict or its JSON text), ``regex``,
+    ``choice`` (the output is one of these strings), ``grammar`` (GBNF/EBNF or Lark),
+    ``json_object=True`` (any JSON object). The grammar package compiles it; its errors
+    (an invalid schema, an unsupported feature) are ValueErrors too, raised when the
+    request is added.
+    """
+
+    json: dict | str | None = None  # a dict is stored as its JSON text
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict):  # stored as text: hashable, and the cache's key
+            try:
+                object.__setattr__(self, "json", _json.dumps(self.json))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(set_kinds) == 1, "structured_outputs must set exactly one of "
+               f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {set_kinds or 'none'}")
+        _check(self.json is None or isinstance(self.json, dict | str),
+               f"structured_outputs.json must be a JSON Schema object, got {self.json!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            _check(isinstance(self.choice, tuple) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                   f"got {self.choice!r:.80}")
+
+    @property
+    def kind(self) -> str:
+        """Which form is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -43,6 +94,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one too)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON Schema, regex, choice or grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +151,10 @@ class SamplingParams:
                f"stop must be non-empty strings, got {self.stop!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams, got "
+               f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

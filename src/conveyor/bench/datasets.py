@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-DATASET_NAMES = ("random", "skewed", "sharegpt", "reference")
+DATASET_NAMES = ("random", "skewed", "sharegpt", "reference", "json-schema")
 
 # Common short English words: each is a single token (with its leading space) in the
 # Llama-3, GPT-2/4, Qwen and SmolLM BPE vocabularies, so N words ≈ N prompt tokens.
@@ -49,6 +49,8 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len_hint: int  # estimated prompt tokens; the server's usage gives the real count
     output_len: int  # sent as `max_tokens`
+    # json-schema dataset: the request's response_format (OpenAI's json_schema form)
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,60 @@ def workload_requests(workload: Any, vocab_size: int) -> list[SampleRequest]:
             for ids, params in workload.requests(vocab_size)]
 
 
+# The json-schema dataset: what to describe, and schemas of the shapes APIs ask for (nested
+# objects, arrays with bounds, enums, anyOf, bounded numbers, string patterns).
+_JSON_SUBJECTS = ("a city", "a person", "a book", "a car", "a planet", "a restaurant",
+                  "a movie", "a song")
+JSON_SCHEMAS: dict[str, dict[str, Any]] = {
+    "record": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        "rating": {"type": "number", "minimum": 0, "maximum": 5}},
+        "required": ["name", "year", "rating"], "additionalProperties": False},
+    "tags": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                 "minItems": 1, "maxItems": 5},
+        "kind": {"enum": ["fact", "opinion", "question"]}},
+        "required": ["title", "tags", "kind"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "id": {"anyOf": [{"type": "integer", "minimum": 0},
+                         {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}]},
+        "location": {"type": "object", "properties": {
+            "country": {"type": "string", "maxLength": 40},
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+            "required": ["country", "lat", "lon"], "additionalProperties": False},
+        "summary": {"type": "string", "maxLength": 200}},
+        "required": ["id", "location", "summary"], "additionalProperties": False},
+    "list": {"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 6, "items": {"type": "object", "properties": {
+            "label": {"type": "string", "maxLength": 30},
+            "count": {"type": "integer", "minimum": 0, "maximum": 1000}},
+            "required": ["label", "count"], "additionalProperties": False}},
+        "done": {"type": "boolean"}},
+        "required": ["items", "done"], "additionalProperties": False},
+}
+
+
+def sample_json_schema_requests(num_prompts: int, output_len: int,
+                                seed: int) -> list[SampleRequest]:
+    """Chat requests each asking for a JSON object of one of JSON_SCHEMAS (round robin
+    over the schemas, subjects drawn with `seed`); `output_len` is max_tokens."""
+    rng = np.random.default_rng(seed)
+    names = list(JSON_SCHEMAS)
+    requests = []
+    for i in range(num_prompts):
+        name = names[i % len(names)]
+        subject = _JSON_SUBJECTS[int(rng.integers(len(_JSON_SUBJECTS)))]
+        prompt = (f"Describe {subject} as a JSON object with the fields "
+                  f"{', '.join(JSON_SCHEMAS[name]['properties'])}.")
+        requests.append(SampleRequest(prompt, estimate_num_tokens(prompt), output_len, {
+            "type": "json_schema",
+            "json_schema": {"name": name, "schema": JSON_SCHEMAS[name], "strict": True}}))
+    return requests
+
+
 def sample_requests(config: DatasetConfig) -> list[SampleRequest]:
     """The workload `config` describes."""
     if config.name == "random":
@@ -239,6 +295,8 @@ def sample_requests(config: DatasetConfig) -> list[SampleRequest]:
         return sample_skewed_requests(config.num_prompts, config.skewed, config.seed)
     if config.name == "reference":
         return reference_requests(config.num_prompts, config.seed)
+    if config.name == "json-schema":
+        return sample_json_schema_requests(config.num_prompts, config.output_len, config.seed)
     assert config.dataset_path is not None  # checked in DatasetConfig.__post_init__
     return load_sharegpt_requests(
         config.dataset_path, config.num_prompts, config.seed, config.sharegpt_output_len

@@ -59,6 +59,9 @@ class BenchmarkConfig:
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)  # "ttft"/"tpot"/"e2el"
     show_progress: bool = True
     abort_fraction: float = 0.0  # share of streams cancelled mid-stream (seeded), 0..1
+    # Send each request's response_format (json-schema dataset); False: the same requests
+    # unconstrained, the baseline of `--dataset json-schema`
+    constrained: bool = True
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -155,6 +158,8 @@ def build_payload(config: BenchmarkConfig, model: str, request: SampleRequest) -
         payload["prompt"] = request.prompt
     if config.ignore_eos:
         payload["ignore_eos"] = True
+    if config.constrained and request.response_format is not None:
+        payload["response_format"] = request.response_format
     return payload
 
 

@@ -2,6 +2,8 @@
 
     conveyor bench serve --url http://127.0.0.1:8000 --dataset random \\
         --input-len 512 --output-len 128 --num-prompts 200 --request-rate 8
+    conveyor bench serve --url http://127.0.0.1:8000 --dataset json-schema \
+        --endpoint /v1/chat/completions --num-prompts 64 --output-len 160   # with vs without
 
 Also runnable alone: ``python -m conveyor.bench.serve_cli --url ...``.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -17,8 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.bench.datasets import DATASET_NAMES, DatasetConfig, SkewedMix
-from conveyor.bench.metrics import format_table, parse_goodput
+from conveyor.bench.metrics import format_table, metrics_to_dict, parse_goodput
 from conveyor.bench.serve import ENDPOINTS, BenchmarkConfig, BenchmarkResult, run_benchmark
+from conveyor.bench.structured import format_comparison, run_structured_comparison
 
 DEFAULTS_MIX = SkewedMix()
 
@@ -165,12 +169,33 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = config_from_args(args)
+        if config.dataset.name == "json-schema":
+            return _run_structured(config, args.json)
         result = asyncio.run(run_benchmark(config))
     except (ValueError, OSError) as e:
         print(f"conveyor bench serve: error: {e}", file=sys.stderr)
         return 1
     report(result, args.json, args.result_file)
     return 0 if result.metrics.completed > 0 else 1
+
+
+def _run_structured(config: BenchmarkConfig, as_json: bool) -> int:
+    """--dataset json-schema: the requests without, then with, their schema."""
+    comparison = asyncio.run(run_structured_comparison(config))
+    if as_json:
+        print(json.dumps({"free": metrics_to_dict(comparison.free.metrics),
+                          "constrained": metrics_to_dict(comparison.constrained.metrics),
+                          "output_throughput_ratio": comparison.output_throughput_ratio,
+                          "median_tpot_ratio": comparison.median_tpot_ratio,
+                          "grammar": None if comparison.grammar is None
+                          else dataclasses.asdict(comparison.grammar)}, indent=2))
+    else:
+        print(format_comparison(comparison))
+    for result in (comparison.free, comparison.constrained):
+        if result.first_error is not None:
+            print(f"{result.metrics.failed} request(s) failed; first error: "
+                  f"{result.first_error}", file=sys.stderr)
+    return 0 if comparison.constrained.metrics.completed > 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

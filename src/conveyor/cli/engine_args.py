@@ -33,6 +33,10 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "policy": "admission order and preemption victims",
     "served_model_name": "model name in the API (default: the model path)",
+    "grammar_compile_timeout": "seconds a structured-output grammar may take to compile; "
+                               "past it the request is refused (400)",
+    "max_grammar_bytes": "longest JSON Schema, regex, grammar or choice list accepted "
+                         "(characters)",
 }
 
 

@@ -232,6 +232,12 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
 
     # ------------------------------------------------------------------ requests
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's constraint in a worker thread (the engine then finds it in the
+        cache); GrammarError (a ValueError) when it is refused."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.compile_grammar, params, False)
+
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                           priority: int = 0, user: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
@@ -242,6 +248,7 @@ class AsyncEngine:
         self._check_accepting(params.n)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        await self.compile_grammar(params)  # off the loop
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self)
         done: asyncio.Future[None] = loop.create_future()

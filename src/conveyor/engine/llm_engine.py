@@ -28,6 +28,7 @@ from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.compiler import GrammarCompiler, GrammarError, GrammarStats
 from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,10 @@ class LLMEngine:
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
             reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
         self.scheduler = Scheduler(sched, kv_manager)
-        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed)
+        self.grammars = (GrammarCompiler(self.tokenizer, args.grammar_compile_timeout,
+                                         args.max_grammar_bytes)
+                         if self.tokenizer is not None else None)
+        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -103,6 +107,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
         prefix = kv.pool.stats
+        grammar = self.grammars.stats if self.grammars is not None else GrammarStats()
         return EngineStats(
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
@@ -120,6 +125,9 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             finished_by_reason=dict(self.finished_by_reason),
+            grammar_compiles=grammar.num_compiles,
+            grammar_cache_hits=grammar.num_cache_hits,
+            grammar_compile_seconds=grammar.compile_seconds,
         )
 
     # ------------------------------------------------------------------ requests
@@ -176,6 +184,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
+        self.compile_grammar(params)
         eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
         eos = tuple(eos) or self.model_config.eos_token_ids
         requests = []
@@ -200,6 +209,22 @@ class LLMEngine:
             self.scheduler.add_request(r)
         self.num_prompt_tokens += len(ids)
         return request_id
+
+    def compile_grammar(self, params: SamplingParams, count: bool = True) -> None:
+        """Compile (or find cached) the request's constraint; GrammarError (a ValueError)
+        when it is bad.
+
+        The server calls this (``count=False``) in a worker thread before adding the
+        request, so that the engine loop only finds it in the cache."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a model with a tokenizer")
+        try:
+            self.grammars.compile(spec, count)
+        except GrammarError as e:
+            raise GrammarError(f"structured_outputs.{e.kind}", e.detail) from None
 
     def _detokenizer(self, ids: list[int], params: SamplingParams
                      ) -> IncrementalDetokenizer | None:

@@ -37,6 +37,10 @@ class EngineStats:
     num_generation_tokens: int  # tokens generated
     # Finished sequences per finish_reason (FINISH_REASONS); a copy, never the engine's own.
     finished_by_reason: dict[str, int]
+    # Structured outputs (conveyor.structured.compiler.GrammarStats)
+    grammar_compiles: int = 0  # grammars compiled (cache misses), failed ones too
+    grammar_cache_hits: int = 0  # constrained requests whose grammar was cached
+    grammar_compile_seconds: float = 0.0  # total compile time
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the field names as keys."""

@@ -9,11 +9,13 @@ the end of its input.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.config import CacheConfig, ModelConfig
@@ -22,6 +24,10 @@ from conveyor.model.llama import CausalLM
 from conveyor.ops import for_device
 from conveyor.ops.reference import kv_cache_shape
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
+from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
+
+if TYPE_CHECKING:
+    from conveyor.structured.compiler import GrammarCompiler
 
 
 @dataclass
@@ -69,7 +75,7 @@ class KVCacheLayout:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
         cfg = model.config
         self.model = model
         self.device = device
@@ -98,6 +104,11 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
         self.prompt_lens: dict[str, int] = {}
+        # Structured outputs: the compiler, and each constrained request's matcher (kept
+        # across preemption, like the sampler state: its outputs are kept too).
+        self.grammars = grammars
+        self.matchers: dict[str, LLMatcher] = {}
+        self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
 
     def use_ops(self, ops: Any) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.for_device`` chose at
@@ -111,7 +122,41 @@ class ModelRunner:
             self.states.pop(request_id, None)
             self.tokens.pop(request_id, None)
             self.prompt_lens.pop(request_id, None)
+            self.matchers.pop(request_id, None)
         self._copy_blocks(out)
+        self._add_requests(out)
+        if out.is_empty:
+            return ModelRunnerOutput({})
+        # Decodes first: the attention backend batches them together.
+        batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
+        input_ids, positions, meta = self._prepare(batch)
+        samplers = [s for s in batch if s.samples]
+        masks = self._start_bitmasks(samplers)  # filled while the forward pass runs
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not samplers:
+            return ModelRunnerOutput({})
+        ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
+        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        if masks is not None:
+            constrained_rows, bitmask = masks
+            apply_token_bitmask(logits, bitmask.result(), constrained_rows)
+        states = [self.states[s.request_id] for s in samplers]
+        token_ids, logprobs = self.sampler(logits, states)
+        result = ModelRunnerOutput({})
+        for s, state, token, lp in zip(samplers, states, token_ids, logprobs, strict=True):
+            state.output_token_ids.append(token)
+            self.tokens[s.request_id].append(token)
+            result.sampled_token_ids[s.request_id] = token
+            if lp is not None:
+                result.logprobs[s.request_id] = lp
+            if (matcher := self.matchers.get(s.request_id)) is not None:
+                matcher.consume_token(token)
+        return result
+
+    def _add_requests(self, out: SchedulerOutput) -> None:
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.all_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
@@ -122,30 +167,25 @@ class ModelRunner:
                 p, list(new.all_token_ids[:new.num_prompt_tokens]),
                 list(new.all_token_ids[new.num_prompt_tokens:]),
                 make_generator(p, self.device), new.eos_token_ids)
-        if out.is_empty:
-            return ModelRunnerOutput({})
-        # Decodes first: the attention backend batches them together.
-        batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        samplers = [s for s in batch if s.samples]
-        if not samplers:
-            return ModelRunnerOutput({})
-        ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
-        if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        states = [self.states[s.request_id] for s in samplers]
-        token_ids, logprobs = self.sampler(logits, states)
-        result = ModelRunnerOutput({})
-        for s, state, token, lp in zip(samplers, states, token_ids, logprobs, strict=True):
-            state.output_token_ids.append(token)
-            self.tokens[s.request_id].append(token)
-            result.sampled_token_ids[s.request_id] = token
-            if lp is not None:
-                result.logprobs[s.request_id] = lp
-        return result
+            if p.structured_outputs is not None:
+                if self.grammars is None:
+                    raise ValueError("structured_outputs needs a model with a tokenizer")
+                matcher = self.grammars.compile(p.structured_outputs, count=False)  # cached
+                matcher.consume_tokens(list(new.all_token_ids[new.num_prompt_tokens:]))
+                self.matchers[new.request_id] = matcher
+
+    def _start_bitmasks(self, samplers: list[ScheduledRequest]
+                        ) -> tuple[list[int], Future[torch.Tensor]] | None:
+        """The rows of the step's constrained requests, and their masks being filled."""
+        rows = [i for i, s in enumerate(samplers) if s.request_id in self.matchers]
+        if not rows:
+            return None
+        if self._bitmasks is None:
+            assert self.grammars is not None
+            tok = self.grammars.tokenizer
+            self._bitmasks = BitmaskFiller(tok.vocab_size, tuple(tok.eos_token_ids))
+        matchers = [self.matchers[samplers[i].request_id] for i in rows]
+        return rows, self._bitmasks.start(matchers)
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -12,7 +13,7 @@ from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput
-from conveyor.sampling_params import MAX_LOGPROBS
+from conveyor.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
@@ -39,7 +40,20 @@ from conveyor.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+)
+from conveyor.server.structured import Constraint, check_constraint, request_constraint
+from conveyor.server.tools import (
+    HermesToolParser,
+    ToolCallStream,
+    get_tool_parser,
+    messages_for_template,
+    template_supports_tools,
 )
 
 # Names render_chat_template binds itself: chat_template_kwargs may not override them.
@@ -55,9 +69,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
-        if data.get("tool_calls"):  # the request's `tools` are refused too (a later issue)
-            raise bad_request(f"messages[{i}]: assistant turns with tool_calls are not "
-                              "supported yet", "messages")
+        calls = data.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of "
+                              '{"id", "type": "function", "function": {"name", "arguments"}}',
+                              "messages")
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
@@ -71,20 +88,28 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                  template_kwargs: dict[str, Any] | None) -> list[int]:
+                  template_kwargs: dict[str, Any] | None,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the rendered conversation (the template adds any special tokens).
 
     Whatever is wrong with the messages (the template refuses them, the text is not valid
-    Unicode or too long to fit) is a 400 on `messages`.
+    Unicode or too long to fit) is a 400 on `messages`. Tools go to a template that renders
+    them; otherwise the tool parser's own prompt is added (server/tools.py).
     """
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template", "messages")
     kwargs = {k: v for k, v in (template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
+    dicts = template_messages(messages)
+    native = template_supports_tools(tokenizer.chat_template)
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in dicts):
+        dicts = messages_for_template(dicts, tools, get_tool_parser(state.config.tool_call_parser),
+                                      native)
+    if tools and native:
+        kwargs["tools"] = tools
     try:
-        text = tokenizer.apply_chat_template(template_messages(messages),
-                                             add_generation_prompt, **kwargs)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt, **kwargs)
         state.engine.check_prompt_chars(text, _RENDERED)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False, field=_RENDERED)
     except ValueError as e:
@@ -94,11 +119,6 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
 
 def _check_request(req: ChatCompletionRequest) -> int | None:
     """The engine's logprobs count (None: no logprobs); 400 for what is not supported."""
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported",
-                          "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -108,6 +128,44 @@ def _check_request(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's `tools` and `tool_choice` ask of the endpoint."""
+
+    tools: list[dict[str, Any]] | None  # for the chat template (None: no tools)
+    parser: HermesToolParser | None  # parses tool calls out of the output (None: text only)
+    constraint: Constraint | None  # "required" or a named function: the calls' grammar
+
+
+def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
+    """400 for a tool_choice without tools, a named function not in tools, or "auto"
+    without --tool-call-parser (as vLLM)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if not tools:
+        if choice != "none":
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return ToolPlan(None, None, None)
+    if choice == "none":
+        return ToolPlan(tools, None, None)
+    parser_name = state.config.tool_call_parser
+    parser = get_tool_parser(parser_name)
+    if choice == "auto":
+        if parser_name is None:
+            raise bad_request('tool_choice "auto" needs the server started with '
+                              "--tool-call-parser (e.g. hermes)", "tool_choice")
+        return ToolPlan(tools, parser, None)
+    selected = tools
+    if isinstance(choice, NamedToolChoice):
+        selected = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not selected:
+            raise bad_request(f"tool_choice names the function {choice.function.name!r}, "
+                              "which is not in tools", "tool_choice")
+    grammar = parser.grammar(selected, parallel=choice == "required" and req.parallel_tool_calls)
+    return ToolPlan(tools, parser, Constraint(StructuredOutputsParams(grammar=grammar), "tools",
+                                              "tools (their function parameters)"))
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  raw: Request) -> Response | ChatCompletionResponse:
     check_model(state, req.model)
@@ -115,9 +173,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     include_usage = stream_usage(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    params = sampling_params(req, max_tokens, num_logprobs)
+    plan = plan_tools(state, req)
+    constraint = request_constraint(req)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise bad_request(f"tool_choice {req.tool_choice!r} already constrains the output; "
+                              f"drop {constraint.param}", constraint.param)
+        constraint = plan.constraint
+    params = sampling_params(req, max_tokens, num_logprobs,
+                             constraint.params if constraint else None)
+    if constraint is not None:
+        await check_constraint(state.engine, params, constraint)
     ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
-                                  req.chat_template_kwargs)
+                                  req.chat_template_kwargs, plan.tools)
     check_context(state, len(ids), max_tokens, "messages")
     request_id = f"chatcmpl-{request_id_of(raw)}"
     streams = await submit(state, [ids], params, request_id, req)
@@ -125,14 +193,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream:
         return EngineStreamingResponse(
             on_stream_error(lambda: _stream(state, request_id, streams[0], num_top,
-                                            include_usage), request_id_of(raw)), streams)
+                                            include_usage, plan.parser), request_id_of(raw)),
+            streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=_logprobs(c, 0, num_top), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason)
-               for c in final.outputs]
+    choices = [_choice(c, num_top, plan.parser) for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                   usage=usage([final]))
+
+
+def _choice(c: CompletionOutput, num_top: int, parser: HermesToolParser | None) -> ChatChoice:
+    content, calls = parser.parse(c.text) if parser is not None else (c.text, [])
+    message = AssistantMessage(content=content, tool_calls=[
+        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in calls])
+    return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, 0, num_top),
+                      finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                      stop_reason=c.stop_reason)
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def _logprobs(c: CompletionOutput, first_token: int, num_top: int) -> ChatLogprobs | None:
@@ -142,11 +222,9 @@ def _logprobs(c: CompletionOutput, first_token: int, num_top: int) -> ChatLogpro
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, parser: HermesToolParser | None) -> AsyncIterator[str]:
     created = int(time.time())
-    sent_chars: dict[int, int] = {}  # choice index -> text already streamed
-    sent_tokens: dict[int, int] = {}
-    done: set[int] = set()
+    choices: dict[int, _ChoiceStream] = {}
 
     def chunk(choice: ChatChunkChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
@@ -156,21 +234,51 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
     async for output in stream:
         final = output
         for c in output.outputs:
-            if c.index not in sent_chars:  # the role comes first, alone (as OpenAI does)
-                sent_chars[c.index] = sent_tokens[c.index] = 0
+            if c.index not in choices:  # the role comes first, alone (as OpenAI does)
+                choices[c.index] = _ChoiceStream(ToolCallStream(parser) if parser else None)
                 yield chunk(ChatChunkChoice(index=c.index,
                                             delta=DeltaMessage(role="assistant", content="")))
-            delta = c.text[sent_chars[c.index]:]
-            if c.index in done or (not delta and c.finish_reason is None):
-                continue
-            choice = ChatChunkChoice(index=c.index,
-                                     delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                                     logprobs=_logprobs(c, sent_tokens[c.index], num_top),
-                                     finish_reason=c.finish_reason)
-            sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-            if c.finish_reason is not None:
-                done.add(c.index)
-            yield chunk(choice)
+            choice = choices[c.index].next_chunk(c, num_top)
+            if choice is not None:
+                yield chunk(choice)
     if include_usage and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                       choices=[], usage=usage([final])).model_dump_json())
+
+
+@dataclass
+class _ChoiceStream:
+    """What one choice has streamed so far."""
+
+    tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    made_calls: bool = False
+    done: bool = False
+
+    def next_chunk(self, c: CompletionOutput, num_top: int) -> ChatChunkChoice | None:
+        """The chunk for the choice's new output, or None when there is nothing to send."""
+        if self.done:
+            return None
+        finished = c.finish_reason is not None
+        calls: list[DeltaToolCall] = []
+        if self.tools is None:
+            delta = c.text[self.sent_chars:]
+            self.sent_chars = len(c.text)
+        else:
+            delta, new_calls = self.tools.update(c.text, finished)
+            calls = [DeltaToolCall(index=i, id=call.id, type="function",
+                                   function=DeltaFunctionCall(name=call.name,
+                                                              arguments=call.arguments))
+                     for i, call in new_calls]
+            self.made_calls = self.made_calls or bool(calls)
+        if not delta and not calls and not finished:
+            return None
+        choice = ChatChunkChoice(index=c.index,
+                                 delta=DeltaMessage(content=delta or None,
+                                                    tool_calls=calls or None),
+                                 logprobs=_logprobs(c, self.sent_tokens, num_top),
+                                 finish_reason=_finish_reason(c.finish_reason, self.made_calls))
+        self.sent_tokens = len(c.token_ids)
+        self.done = finished
+        return choice

@@ -31,6 +31,8 @@ _HELP = {
     "uvicorn_log_level": "uvicorn's own log level",
     "web_ui": "serve the web page at / (chat, live engine view) and /v1/engine/events, "
               "/v1/engine/load (--no-web-ui: none of it)",
+    "tool_call_parser": "how tool calls are read out of the model's text: hermes "
+                        "(<tool_call>{...}</tool_call>); needed for tool_choice auto",
 }
 
 

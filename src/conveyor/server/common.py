@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server.config import ServerConfig
 from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
 from conveyor.server.metrics import ServerMetrics
@@ -52,8 +52,9 @@ def check_model(state: ServerState, model: str | None) -> None:
                        code="model_not_found")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None
+                    ) -> SamplingParams:
     """SamplingParams from a request; ValueError (-> 400) names the bad field."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -72,7 +73,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
     return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           skip_special_tokens=req.skip_special_tokens,
-                          include_stop_str_in_output=req.include_stop_str_in_output)
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          structured_outputs=structured_outputs)
 
 
 def stream_usage(req: _SamplingFields) -> bool:

@@ -34,6 +34,7 @@ from conveyor.server.common import (
 from conveyor.server.errors import request_id_of
 from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from conveyor.server.structured import check_constraint, request_constraint
 
 PromptInput = str | list[int]
 
@@ -76,7 +77,11 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     _check_unsupported(req)
     include_usage = stream_usage(req)
     prompts = _prompt_list(req.prompt)
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    constraint = request_constraint(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs,
+                             constraint.params if constraint else None)
+    if constraint is not None:
+        await check_constraint(state.engine, params, constraint)
     if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
         raise bad_request(f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} "
                           f"sequences (prompts x n), got {len(prompts)} x {params.n}", "n")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from conveyor.config import _require
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+TOOL_CALL_PARSERS = ("hermes",)  # server/tools.py TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class ServerConfig:
     # The page at / (chat, live engine view) and /v1/engine/events, /v1/engine/load.
     web_ui: bool = True
     uvicorn_log_level: str = "warning"  # uvicorn's own messages (ours are at --log-level)
+    # How tool calls are read out of the model's text (vLLM's names; None: tool_choice
+    # "auto" is refused, "required" and named functions use hermes's syntax)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
@@ -43,6 +47,8 @@ class ServerConfig:
                  "max_queued_requests", ">= 1 (or unset)", self.max_queued_requests)
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", ">= 1",
                  self.max_request_body_bytes)
+        _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS), "tool_call_parser",
+                 f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
         for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_read_headers",
                      "timeout_read_body"):
             value = getattr(self, name)

@@ -260,6 +260,11 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is out of range [0, {self.vocab_size})")
         return token
 
+    def backend_json(self) -> str:
+        """The `tokenizers` serialization of the vocabulary (what grammar engines load)."""
+        text: str = self._tok.to_str()
+        return text
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

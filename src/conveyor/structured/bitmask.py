@@ -1,0 +1,79 @@
+"""The token bitmask of a step's constrained rows: filled by llguidance's executor in one
+batched call (in a worker thread, while the forward pass runs), applied to the logits before
+sampling. Rows without a constraint are neither read nor written, so a batch that mixes
+constrained and free requests pays only for the constrained ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch as llg_torch
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+BITS = 32  # tokens per int32 word of the bitmask
+
+
+class BitmaskFiller:
+    """Fills the next-token masks of a step's constrained requests off the calling thread."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.num_words = -(-vocab_size // BITS)
+        self.eos_token_ids = eos_token_ids
+        self._executor = llguidance.LLExecutor()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+
+    def start(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
+        """Begin filling [len(matchers), num_words] int32 masks; the result when needed."""
+        return self._thread.submit(self.fill, matchers)
+
+    def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
+        llg_torch.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, m in enumerate(matchers):
+            if m.is_error():  # llguidance ran out of fuel or was fed a token it refused:
+                logger.warning("grammar matcher failed, ending its request: %s",
+                               m.get_error())
+                bitmask[i] = 0  # only EOS remains
+                for t in self.eos_token_ids:
+                    bitmask[i, t // BITS] |= 1 << (t % BITS)
+        return bitmask
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of disallowed tokens to -inf, in place.
+
+    logits: [S, V] (V may exceed the tokenizer's vocabulary: padding tokens are disallowed);
+    bitmask: [len(rows), W] int32 on the host, bit t % 32 of word t // 32 set = token t allowed.
+    On the host the rows are written through numpy (single-threaded, ~0.1 ms a row): torch's
+    parallel element-wise ops on a busy machine cost tens of ms for these small tensors.
+    """
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    banned = np.ones((len(rows), vocab), dtype=bool)
+    width = min(vocab, bits.shape[1])
+    banned[:, :width] = bits[:, :width] == 0
+    if logits.device.type != "cpu" or not logits.is_contiguous():
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index).masked_fill_(
+            torch.from_numpy(banned).to(logits.device), float("-inf"))
+        logits.index_copy_(0, index, masked)
+        return
+    # The same bytes as integers (numpy has no bfloat16), -inf as its bit pattern.
+    as_int = logits.view(_SAME_SIZE_INT[logits.element_size()])
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(as_int.dtype).item()
+    values = as_int.numpy()
+    for j, row in enumerate(rows):
+        values[row][banned[j]] = neg_inf
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,0 +1,184 @@
+"""Constrained decoding offline, on the tiny random model (its outputs are random, so only
+the grammar makes them valid): every output that stops parses and validates, greedy and
+sampled, n > 1, under recompute preemption, next to free requests whose outputs do not
+change; bad constraints are ValueErrors naming the field. And the Hermes tool-call parser:
+a stream, cut anywhere, reassembles to the whole answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.server.tools import HermesToolParser, ToolCallStream
+
+PROMPTS = ["one two three", "the cat sat on", "東京 日本語 Привет", "def return print"]
+
+
+def _schema(rng: random.Random, depth: int = 0) -> dict:
+    """A random schema from the features real ones use, small enough to finish."""
+    kinds = ["string", "integer", "number", "enum", "boolean"]
+    if depth < 2:
+        kinds += ["object", "array", "anyOf"]
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 6)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if kind == "number":
+        return {"type": "number", "minimum": 0, "maximum": 1}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, None], rng.randint(1, 3))}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        return {"type": "array", "items": _schema(rng, depth + 1), "minItems": low,
+                "maxItems": low + rng.randint(0, 2)}
+    if kind == "anyOf":
+        return {"anyOf": [_schema(rng, depth + 1), _schema(rng, depth + 1)]}
+    names = rng.sample(["a", "b", "c", "d"], rng.randint(1, 3))
+    return {"type": "object", "properties": {n: _schema(rng, depth + 1) for n in names},
+            "required": names, "additionalProperties": False}
+
+
+SCHEMAS = [_schema(random.Random(seed)) for seed in range(6)] + [
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+                                      "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["zip", "tags"], "additionalProperties": False}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=1 << 20,
+               max_model_len=1024)
+
+
+def _json(schema: dict, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema),
+                          **kwargs)
+
+
+def test_every_output_validates_greedy_sampled_and_n(llm, kv_free) -> None:
+    params = [_json(s, temperature=t, seed=i, n=2 if t else 1)
+              for i, s in enumerate(SCHEMAS) for t in (0.0, 1.0)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outputs = llm.generate(prompts, params)
+    schemas = [s for s in SCHEMAS for _ in (0, 1)]
+    num_checked = 0
+    for out, schema in zip(outputs, schemas, strict=True):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (schema, c.text)
+            jsonschema.validate(json.loads(c.text), schema)
+            num_checked += 1
+    assert num_checked == len(SCHEMAS) * 3
+    kv_free(llm)
+
+
+def test_free_requests_unchanged_next_to_constrained(llm, kv_free) -> None:
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS, free)
+    mixed = llm.generate(PROMPTS * 2, [free] * len(PROMPTS) + [_json(s) for s in SCHEMAS[:4]])
+    for a, b in zip(alone, mixed[:len(PROMPTS)], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for out, schema in zip(mixed[len(PROMPTS):], SCHEMAS[:4], strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    kv_free(llm)
+
+
+def test_regex_choice_grammar_and_preemption(tiny_llama_dir, kv_free) -> None:
+    # 12 blocks of 16 tokens for 16 requests of ~40 tokens each: preemptions are certain.
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,
+              max_model_len=1024)
+    kinds = [StructuredOutputsParams(regex=r"[a-z]{20,30}\.[0-9]{3}"),
+             StructuredOutputsParams(choice=["apple", "banana split"]),
+             StructuredOutputsParams(grammar='root ::= "x" ("ab" | "cd"){10,20} "!"'),
+             StructuredOutputsParams(json=SCHEMAS[-1])]
+    checks = [lambda t: re.fullmatch(r"[a-z]{20,30}\.[0-9]{3}", t),
+              lambda t: t in ("apple", "banana split"),
+              lambda t: re.fullmatch(r"x((ab)|(cd)){10,20}!", t),
+              lambda t: jsonschema.validate(json.loads(t), SCHEMAS[-1]) is None]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=k)
+              for i, k in enumerate(kinds * 4)]
+    outputs = llm.generate([PROMPTS[i % 4] * 3 for i in range(16)], params)
+    assert llm.stats().num_preemptions > 0
+    for out, check in zip(outputs, checks * 4, strict=True):
+        assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out
+    kv_free(llm)
+
+
+def test_max_tokens_mid_structure_is_length(llm) -> None:
+    out = llm.generate(PROMPTS[0], _json(SCHEMAS[-1]).replace(max_tokens=3))[0].outputs[0]
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ({"json": {"type": "strin"}}, ["structured_outputs.json", "strin"]),
+    ({"json": '{"type": '}, ["structured_outputs.json", "not valid JSON"]),
+    ({"json": {"type": "object", "if": {}}}, ["Unimplemented", "if"]),
+    ({"regex": "a(b"}, ["structured_outputs.regex"]),
+    ({"grammar": "root ::= undefined_rule"}, ["structured_outputs.grammar"]),
+])
+def test_bad_constraints_name_the_field(llm, kv_free, spec: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
+    for word in words:
+        assert word in str(e.value)
+    kv_free(llm)
+
+
+def test_structured_outputs_params_validate() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- tool-call parser
+TEXTS = [
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    'Let me check. <tool_call>\n{"name": "f", "arguments": {"a": "<tool_call>"}}\n</tool_call>'
+    '\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    "no call here, just text with a < sign and <tool_ca",
+    'broken <tool_call>{"name": "f", "arguments": </tool_call> then text',
+    'ok <tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>{"name": ',
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_tool_calls_reassemble_to_the_whole(text: str) -> None:
+    parser = HermesToolParser()
+    content, calls = parser.parse(text)
+    rng = random.Random(len(text))
+    for _ in range(20):  # random cuts, and every single character as its own delta
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
+        for ends in (cuts + [len(text)], list(range(1, len(text) + 1))):
+            stream = ToolCallStream(parser)
+            streamed, streamed_calls = "", []
+            for end in ends:
+                delta, new = stream.update(text[:end], finished=end == len(text))
+                streamed += delta
+                streamed_calls += [call for _, call in new]
+            assert (streamed or None) == content
+            assert streamed_calls == calls
+
+
+def test_grammar_cache_counts_each_request_once(llm) -> None:
+    before = llm.stats()
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    llm.generate(PROMPTS[:3], _json(schema, temperature=0))
+    after = llm.stats()
+    assert after.grammar_compiles - before.grammar_compiles == 1
+    assert after.grammar_cache_hits - before.grammar_cache_hits == 2
+    assert after.grammar_compile_seconds > before.grammar_compile_seconds

@@ -1,0 +1,287 @@
+"""Structured outputs and tool calling through a real `conveyor serve` and the official
+client: every constrained output validates (jsonschema), the openai client's parse()
+returns an object, tool calls stream as they are answered whole, and bad constraints are
+400s that harm no other request.
+
+One server per module (the default model); greedy, few tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
+
+# Generous for a small grammar; the compile-timeout test sends one that takes seconds.
+COMPILE_TIMEOUT_S = 0.5
+MAX_GRAMMAR_BYTES = 200_000
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "address": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False},
+    "array_enum": {"type": "object", "properties": {
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                   "minItems": 2, "maxItems": 4}},
+        "required": ["colors"], "additionalProperties": False},
+    "any_of_numbers": {"type": "object", "properties": {
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "count": {"type": "integer", "minimum": 1, "maximum": 99},
+        "id": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": 8}]}},
+        "required": ["score", "count", "id"], "additionalProperties": False},
+}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                          "--tool-call-parser", "hermes",
+                          "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S),
+                          "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES))
+    yield server
+    assert server.stop() == 0, server.log_tail()
+    server.remove_log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat(server: ServerProcess, **body: object) -> httpx.Response:
+    body = {"model": server.model, "messages": ASK_WEATHER, "temperature": 0, **body}
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=600)
+
+
+def _kv_free(server: ServerProcess) -> None:
+    metrics = wait_idle(server)
+    assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
+    assert metric_value(metrics, "conveyor:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------------- constrained JSON
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: float = Field(ge=0, le=50)
+    kind: Literal["capital", "town"]
+
+
+def test_openai_parse_returns_the_object(server: ServerProcess, client: openai.OpenAI):
+    completion = client.chat.completions.parse(
+        model=server.model, temperature=0, max_tokens=120, response_format=City,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, City)
+    assert City.model_validate_json(message.content) == message.parsed
+
+
+def test_schemas_validate_batched_with_free_requests(server: ServerProcess):
+    """Greedy and sampled, all at once with a free request whose output stays what it is
+    alone."""
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                                max_retries=0)
+    free = {"model": server.model, "temperature": 0, "max_tokens": 24,
+            "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+
+    async def run() -> tuple[list, object, object]:
+        alone = await client.chat.completions.create(**free)
+        constrained = [client.chat.completions.create(
+            model=server.model, max_tokens=150, seed=7, temperature=temperature,
+            messages=[{"role": "user", "content": f"Give an example {name} JSON object."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": name, "schema": schema, "strict": True}})
+            for name, schema in SCHEMAS.items() for temperature in (0.0, 1.0)]
+        *outs, batched = await asyncio.gather(*constrained, client.chat.completions.create(**free))
+        return outs, alone, batched
+
+    outs, alone, batched = asyncio.run(run())
+    assert batched.choices[0].message.content == alone.choices[0].message.content
+    schemas = [schema for schema in SCHEMAS.values() for _ in (0, 1)]
+    for out, schema in zip(outs, schemas, strict=True):
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    _kv_free(server)
+
+
+def test_completions_regex_choice_and_aliases(server: ServerProcess, client: openai.OpenAI):
+    prompt = "My phone number is"
+    out = client.completions.create(model=server.model, prompt=prompt, max_tokens=20,
+                                    temperature=0,
+                                    extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert out.choices[0].finish_reason == "stop"
+    assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
+    assert out.choices[0].text.replace("-", "").isdigit()
+    for body in ({"guided_choice": ["yes", "no"]},
+                 {"structured_outputs": {"choice": ["yes", "no"]}}):
+        out = client.completions.create(model=server.model, prompt="Is water wet? Answer:",
+                                        max_tokens=5, temperature=1.0, seed=3, extra_body=body)
+        assert out.choices[0].text in ("yes", "no")
+    grammar = 'root ::= "The answer is " ("red" | "blue") "."'
+    out = client.completions.create(model=server.model, prompt="Q: a color? A:", max_tokens=20,
+                                    temperature=0, extra_body={"guided_grammar": grammar})
+    assert out.choices[0].text in ("The answer is red.", "The answer is blue.")
+    out = client.completions.create(model=server.model, prompt="A JSON object:", max_tokens=60,
+                                    temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].text), dict)
+    else:  # a max_tokens cut mid-object is "length", never "stop"
+        assert out.choices[0].finish_reason == "length"
+
+
+def test_length_mid_structure_is_length(server: ServerProcess):
+    r = _chat(server, max_tokens=3, response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["nested"]}})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", ["response_format.json_schema.schema", "strin"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "if": {"required": ["a"]}, "then": {}}}}},
+     "response_format", ["Unimplemented", "if"]),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", ["structured_outputs.regex"]),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex", ["one"]),
+    ({"structured_outputs": {"json": {"type": "object", "description": "x" * MAX_GRAMMAR_BYTES}}},
+     "structured_outputs", ["max_grammar_bytes"]),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", ["nope"]),
+    ({"tool_choice": "required"}, "tool_choice", ["tools"]),
+])
+def test_bad_constraints_are_400_naming_the_field(server: ServerProcess, body: dict,
+                                                  param: str, words: list[str]):
+    r = _chat(server, max_tokens=4, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    for word in words:
+        assert word in error["message"]
+
+
+def test_compile_timeout_is_400_and_harms_nobody(server: ServerProcess,
+                                                 client: openai.OpenAI):
+    # ~190 KB of anyOf-with-patterns: seconds to compile, past the server's timeout
+    slow = {"type": "object", "properties": {
+        f"p{i}": {"anyOf": [{"type": "string", "pattern": f"[a-z]{{{i % 50},{i % 50 + 40}}}x"},
+                            {"type": "integer"}]} for i in range(2100)}}
+    assert len(json.dumps(slow)) < MAX_GRAMMAR_BYTES
+
+    async def run() -> tuple[httpx.Response, object]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            bad = http.post(server.base_url + "/v1/chat/completions", json={
+                "model": server.model, "messages": ASK_WEATHER, "max_tokens": 8,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "slow", "schema": slow}}})
+            good = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                                      max_retries=0).chat.completions.create(
+                model=server.model, messages=ASK_WEATHER, max_tokens=8, temperature=0)
+            return await asyncio.gather(bad, good)
+
+    bad, good = asyncio.run(run())
+    assert bad.status_code == 400 and "grammar_compile_timeout" in bad.json()["error"]["message"]
+    assert good.choices[0].finish_reason == "length" and good.choices[0].message.content
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    _kv_free(server)
+
+
+# ---------------------------------------------------------------------- tools
+def _calls(message: dict) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message.get("tool_calls") or []]
+
+
+def _streamed(server: ServerProcess, **body: object) -> tuple[str | None, list, str]:
+    """(content, [(name, arguments text)], finish_reason) reassembled from a stream."""
+    body = {"model": server.model, "messages": ASK_WEATHER, "temperature": 0, "stream": True,
+            **body}
+    content, calls, finish = None, {}, None
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
+                      timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            delta = choice["delta"]
+            if delta.get("content"):
+                content = (content or "") + delta["content"]
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                if call.get("id"):
+                    assert call["id"].startswith("call_")
+                fn = call.get("function") or {}
+                entry["name"] += fn.get("name") or ""
+                entry["arguments"] += fn.get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_tool_calls_whole_and_streamed_agree(server: ServerProcess, tool_choice: object):
+    # One call each (parallel calls would let the small model go on calling to max_tokens)
+    body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 64,
+            "parallel_tool_calls": False}
+    message = _chat(server, **body).json()["choices"][0]
+    content, calls, finish = _streamed(server, **body)
+    whole = message["message"]
+    assert content == whole["content"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in whole["tool_calls"]]
+    assert finish == message["finish_reason"]
+    if tool_choice == "auto":
+        return  # the model may answer in text; what it did is the same either way
+    assert message["finish_reason"] == "tool_calls" and whole["content"] is None
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for name, arguments in _calls(whole):
+        assert name == "get_time" or tool_choice == "required"
+        jsonschema.validate(arguments, tools[name]["function"]["parameters"])
+        assert whole["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_tool_round_trip_with_the_client(server: ServerProcess, client: openai.OpenAI):
+    first = client.chat.completions.create(model=server.model, messages=ASK_WEATHER,
+                                           tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    messages = [*ASK_WEATHER, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id,
+                 "content": json.dumps({"temperature": 21, "unit": "celsius"})}]
+    prompt = httpx.post(server.base_url + "/tokenize",
+                        json={"model": server.model, "messages": messages}).json()
+    second = client.chat.completions.create(model=server.model, messages=messages,
+                                            tools=[WEATHER], temperature=0, max_tokens=16)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert prompt["count"] > 0
+    _kv_free(server)
