@@ -20,7 +20,13 @@ from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
-from conveyor.engine.stats import FINISH_REASONS, EngineStats, ScheduledEntry, StepTrace
+from conveyor.engine.stats import (
+    FINISH_REASONS,
+    EngineStats,
+    ScheduledEntry,
+    StepTrace,
+    spec_decode_fields,
+)
 from conveyor.model.device import resolve_device, resolve_dtype
 from conveyor.model.llama import build_model
 from conveyor.model.loader import load_checkpoint
@@ -69,7 +75,12 @@ class LLMEngine:
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
             reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
-        self.scheduler = Scheduler(sched, kv_manager)
+        self.speculative_config = args.spec_config()
+        if self.speculative_config is not None and \
+                self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; "
+                             "use 'ngram'")
+        self.scheduler = Scheduler(sched, kv_manager, speculative=self.speculative_config)
         self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
@@ -117,6 +128,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             finished_by_reason=dict(self.finished_by_reason),
+            **spec_decode_fields(sched.spec.stats if sched.spec is not None else None),
         )
 
     # ------------------------------------------------------------------ requests
@@ -257,7 +269,7 @@ class LLMEngine:
                 continue  # a sibling sample failed earlier in this loop: the group is gone
             group, seq = entry
             try:
-                self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+                self._on_tokens(group, seq, runner_output.logprobs.get(request.request_id))
             except Exception:
                 logger.exception("request %s failed after its token", group.request_id)
                 touched.pop(group.request_id, None)
@@ -306,15 +318,24 @@ class LLMEngine:
             kv_blocks_total=kv.num_blocks,
         )
 
-    def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
+    def _on_tokens(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
+        """The step's new tokens of one sequence, in order (several when drafts were
+        accepted): text, stop strings (the tokens after one are dropped), logprobs."""
         request = seq.request
-        token = request.output_token_ids[-1]
-        self.num_generation_tokens += 1
-        if logprobs is not None and self.tokenizer is not None:
-            for token_id, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if seq.add_token(token, logprobs) is not None and not request.status.finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        new = seq.new_token_ids()
+        for i, token in enumerate(new):
+            self.num_generation_tokens += 1
+            lp = logprobs[i] if logprobs is not None else None
+            if lp is not None and self.tokenizer is not None:
+                for token_id, entry in lp.items():
+                    entry.decoded_token = self.tokenizer.decode([token_id],
+                                                                skip_special_tokens=False)
+            if seq.add_token(token, lp, last=i == len(new) - 1) is not None \
+                    and not request.status.finished:
+                self.scheduler.finish_requests([request.request_id],
+                                               RequestStatus.FINISHED_STOPPED)
+                request.truncate_output(seq.num_tokens_seen)
+                break
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
         if group.pending and seq.index == 0:

@@ -3,7 +3,9 @@
 The runner never decides who runs. It keeps, per request, the tokens it feeds the model and
 the sampler's state; it lays out the step's tokens flat and unpadded (decodes first, then
 prefill chunks), computes positions and KV slots, and samples only where a request reached
-the end of its input.
+the end of its input. A request verifying drafted tokens is a chunk of its last token plus
+the drafts; its rows are generated tokens, so they attend as decodes (the decode kernel, as
+``PrefillChunk.generated_rows``), and every row's logits go to ``Sampler.verify``.
 """
 
 from __future__ import annotations
@@ -131,20 +133,21 @@ class ModelRunner:
         samplers = [s for s in batch if s.samples]
         if not samplers:
             return ModelRunnerOutput({})
-        ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        ends = np.cumsum([s.num_new_tokens for s in batch])
+        rows = [r for i, s in enumerate(batch) if s.samples
+                for r in range(int(ends[i]) - len(s.spec_token_ids) - 1, int(ends[i]))]
         if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         states = [self.states[s.request_id] for s in samplers]
-        token_ids, logprobs = self.sampler(logits, states)
+        sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = ModelRunnerOutput({})
-        for s, state, token, lp in zip(samplers, states, token_ids, logprobs, strict=True):
-            state.output_token_ids.append(token)
-            self.tokens[s.request_id].append(token)
-            result.sampled_token_ids[s.request_id] = token
-            if lp is not None:
-                result.logprobs[s.request_id] = lp
+        for s, state, (tokens, logprobs) in zip(samplers, states, sampled, strict=True):
+            state.output_token_ids.extend(tokens)
+            self.tokens[s.request_id].extend(tokens)
+            result.sampled_token_ids[s.request_id] = tokens
+            if logprobs[0] is not None:
+                result.logprobs[s.request_id] = logprobs  # type: ignore[assignment]
         return result
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
@@ -183,7 +186,8 @@ class ModelRunner:
                 decode_slots.append(s.block_ids[start // bs] * bs + start % bs)
                 num_decodes += 1
                 continue
-            ids.extend(self.tokens[s.request_id][start:end])
+            ids.extend(self.tokens[s.request_id][start:end - len(s.spec_token_ids)])
+            ids.extend(s.spec_token_ids)
             pos = np.arange(start, end)
             table = np.asarray(s.block_ids)
             pos_parts.append(pos)
