@@ -39,6 +39,7 @@ ACCEPT_DECAY = 0.8  # weight of a request's older verifies in its acceptance rat
 COST_WINDOW = 128  # steps the cost fit looks back over
 COST_MIN_SAMPLES = 8  # until then (or without spread in T) drafts are not cost-limited
 MAX_BACKOFF_STEPS = 32
+OFF_THRESHOLD = 0.999  # a step whose drafts would need this acceptance counts as "off"
 
 
 class NgramProposer:
@@ -149,7 +150,7 @@ class SpecDecoder:
         """Set this step's threshold from its expected size (tokens and sampling requests
         before any draft)."""
         self._threshold = self.cost.draft_threshold(num_tokens, num_samples)
-        if self._threshold >= 1.0:
+        if self._threshold >= OFF_THRESHOLD:
             self.stats.num_steps_off += 1
 
     def num_to_draft(self, request: Request, limit: int) -> int:
