@@ -12,10 +12,10 @@ rows; row i is processed exactly as a plain step would process it after the firs
 the one a plain decode at that position would sample from. Greedy requests take each row's
 token as a plain step would and keep the drafts up to the first that differs: the output is
 the one speculation off gives. Other requests use the rejection rule of Leviathan et al. /
-Chen et al.: draft d (proposed with probability q(d), 1 for an n-gram proposal) is kept with
-probability min(1, p(d)/q(d)); at the first rejection the token is drawn from
-max(p - q, 0) renormalized; after k acceptances one more from the last row. The output is
-distributed as the target model's. Logits processors that depend on the tokens so far (the
+Chen et al. for deterministic proposals (q(d) = 1): d is kept with probability p(d), a
+rejection draws from p without d, after k acceptances one more token comes from the last
+row; the output is distributed as the target model's. The draws are the plain sampler's own
+(``_rejection``), so a seeded request's tokens do not depend on speculation either. Logits processors that depend on the tokens so far (the
 penalties, min_tokens' ban, and any later per-request mask) belong in ``_process``, which
 sees one row state per row.
 """
@@ -127,25 +127,24 @@ class Sampler:
 
     def _rejection(self, logits: torch.Tensor, state: SamplingState, drafts: list[int]
                    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """Leviathan/Chen rejection sampling of one request's point-mass drafts (q(d) = 1):
-        draft i is kept with probability p_i(d); a rejection draws from p_i without d."""
+        """Rejection sampling of one request's drafts (deterministic proposals, q(d) = 1).
+
+        Row i draws its token as a plain step would (the exponential race, one noise draw
+        from the request's generator); the draft is kept if the draw equals it, else the
+        draw is the token and the run ends. That is the Leviathan/Chen rule for q(d) = 1:
+        d is kept with probability p(d) = min(1, p(d)/q(d)), and a rejection's token is
+        distributed as max(p - q, 0) renormalized (p without d). One draw per token
+        produced, as without drafts: a seeded request gives the same tokens either way.
+        """
         views = [state.after(drafts[:i]) for i in range(len(drafts) + 1)]
         logits = logits.float()
         probs = self._probs(self._apply_penalties(logits, views), views)
         generator = state.generator or self.generator
-        uniform = torch.rand(len(drafts), generator=generator, device=logits.device).tolist()
-        accept = probs[torch.arange(len(drafts)), torch.tensor(drafts)].tolist()
         tokens: list[int] = []
-        for i, d in enumerate(drafts):
-            if uniform[i] < accept[i]:
-                tokens.append(d)
-                continue
-            residual = probs[i].clone()
-            residual[d] = 0.0
-            tokens.append(_race(residual, generator))
-            break
-        else:
-            tokens.append(_race(probs[len(drafts)], generator))
+        for i in range(len(drafts) + 1):
+            tokens.append(_race(probs[i], generator))
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                break
         logprobs: list[dict[int, Logprob] | None] = [None] * len(tokens)
         if state.params.logprobs is not None:
             raw = torch.log_softmax(logits, dim=-1)
