@@ -8,9 +8,9 @@ a slot holding someone else's prefix (or a rejected draft's) from the cache.
 
 from __future__ import annotations
 
-from core_helpers import assert_no_leak, make_harness, make_request
 from conveyor.config import SpeculativeConfig
 from conveyor.core.spec_decode import NgramProposer, SpecDecoder
+from core_helpers import assert_no_leak, make_harness, make_request
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
                          prompt_lookup_min=2)

@@ -33,6 +33,10 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "policy": "admission order and preemption victims",
     "served_model_name": "model name in the API (default: the model path)",
+    "speculative_config": "speculative decoding as JSON, vLLM's names: "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(none: off)",
 }
 
 

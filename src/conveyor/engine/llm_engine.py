@@ -17,7 +17,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
 from conveyor.engine.stats import (
@@ -307,9 +307,7 @@ class LLMEngine:
         kv = self.scheduler.kv_cache
         return StepTrace(
             step=out.step_id, time=start, duration=time.perf_counter() - start,
-            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens,
-                                           "decode" if s.num_new_tokens == 1
-                                           and s.num_computed_tokens else "prefill")
+            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens, _step_kind(s))
                             for s in out.scheduled),
             preempted=tuple(sorted(out.preempted_request_ids)),
             waiting=tuple(r.request_id for r in self.scheduler.policy),
@@ -356,3 +354,9 @@ class LLMEngine:
         """KV invariants (with no request alive, every block is free)."""
         self.scheduler.check_integrity()
 
+
+def _step_kind(s: ScheduledRequest) -> str:
+    """A traced request-step: "verify" (a decode with drafts), "decode" or "prefill"."""
+    if s.spec_token_ids:
+        return "verify"
+    return "decode" if s.num_new_tokens == 1 and s.num_computed_tokens else "prefill"

@@ -79,7 +79,9 @@ class ScheduledEntry(NamedTuple):
 
     request_id: str
     num_new_tokens: int  # tokens computed for it in the step
-    kind: str  # "decode" (one token past its prompt) or "prefill" (a prompt or recompute chunk)
+    # "decode" (one token past its prompt), "verify" (a decode with drafted tokens) or
+    # "prefill" (a prompt or recompute chunk)
+    kind: str
 
 
 @dataclass(frozen=True)
