@@ -5,6 +5,12 @@ written there (position and all tokens before it). Each step it first writes the
 tokens' keys into their slots (as a layer stores K/V before attention), then checks that
 every position a request attends to holds that request's own prefix. A wrong block table, a
 wrong prefix-cache hit or a block handed to two requests at once fails that check.
+
+Like the real runner it keeps a request's tokens across a preemption (``new_requests`` rebuilds
+them on resume), and verifies drafted tokens (``spec_token_ids``) greedily: the token at each
+row is ``token_fn``'s, a draft is kept while it equals it. A draft's slot gets the key of the
+prefix *with the drafts*: a rejected draft's KV published to the prefix cache would then fail
+a later hit's check.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
@@ -47,7 +53,7 @@ def _prefix_keys(tokens: Sequence[int]) -> list[int]:
 
 
 class FakeRunner:
-    """Plays the model runner: shadow KV writes/reads, and one sampled token per request."""
+    """Plays the model runner: shadow KV writes/reads, the sampled (and accepted) tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn) -> None:
         self.block_size = block_size
@@ -55,6 +61,7 @@ class FakeRunner:
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
         self.num_prompt: dict[str, int] = {}
+        self.stale: set[str] = set()  # preempted, not resumed yet
 
     def _slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
         assert pos // self.block_size < len(block_ids), \
@@ -62,19 +69,22 @@ class FakeRunner:
         return block_ids[pos // self.block_size], pos % self.block_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in out.finished_request_ids | out.preempted_request_ids:
+        for request_id in out.finished_request_ids:
             self.tokens.pop(request_id, None)
+        self.stale |= out.preempted_request_ids
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.all_token_ids)
             self.num_prompt[new.request_id] = new.num_prompt_tokens
+            self.stale.discard(new.request_id)
         keys = {}
         for item in out.scheduled:  # write this step's K/V first ...
             assert item.request_id in self.tokens, f"runner never saw {item.request_id}"
+            assert item.request_id not in self.stale, f"{item.request_id} resumed without data"
             tokens = self.tokens[item.request_id]
-            end = item.num_computed_tokens + item.num_new_tokens
+            end = item.num_computed_tokens + item.num_new_tokens - len(item.spec_token_ids)
             assert end <= len(tokens), f"{item.request_id}: computes past its tokens"
-            keys[item.request_id] = _prefix_keys(tokens[:end])
-            for pos in range(item.num_computed_tokens, end):
+            keys[item.request_id] = _prefix_keys(tokens[:end] + item.spec_token_ids)
+            for pos in range(item.num_computed_tokens, end + len(item.spec_token_ids)):
                 block, offset = self._slot(item.block_ids, pos)
                 self.slots[block][offset] = keys[item.request_id][pos]
         sampled = {}
@@ -85,13 +95,22 @@ class FakeRunner:
                 assert self.slots[block][offset] == key, \
                     f"{item.request_id}: wrong KV at position {pos} (block {block})"
             tokens = self.tokens[item.request_id]
-            assert item.samples == (len(request_keys) == len(tokens))
+            num_verified = len(request_keys) - len(item.spec_token_ids)
+            assert item.samples == (num_verified == len(tokens))
             if item.samples:
-                index = len(tokens) - self.num_prompt[item.request_id]
-                token = self.token_fn(item.request_id, index)
-                sampled[item.request_id] = token
-                tokens.append(token)
+                sampled[item.request_id] = self._verify(item.request_id, item.spec_token_ids)
+                tokens.extend(sampled[item.request_id])
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _verify(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The accepted drafts and the token after them (greedy verification)."""
+        index = len(self.tokens[request_id]) - self.num_prompt[request_id]
+        out = []
+        for i in range(len(drafts) + 1):
+            out.append(self.token_fn(request_id, index + i))
+            if i == len(drafts) or drafts[i] != out[-1]:
+                return out
+        return out
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -113,8 +132,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert item.num_new_tokens >= 1
         assert item.num_computed_tokens == request.num_computed_tokens
         end = item.num_computed_tokens + item.num_new_tokens
-        assert end <= request.num_tokens
-        assert item.samples == (end == request.num_tokens)
+        num_drafts = len(item.spec_token_ids)
+        assert end - num_drafts <= request.num_tokens
+        assert item.samples == (end - num_drafts == request.num_tokens)
+        assert not num_drafts or item.num_new_tokens == num_drafts + 1, "drafts on a chunk"
         assert len(item.block_ids) * block_size >= end
         assert item.block_ids == sched.kv_cache.block_tables[item.request_id]
     for request in sched.running:
@@ -169,9 +190,10 @@ class Harness:
 
 
 def make_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
-                 token_fn: TokenFn = default_token_fn, **config: object) -> Harness:
+                 token_fn: TokenFn = default_token_fn,
+                 speculative: SpeculativeConfig | None = None, **config: object) -> Harness:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
-    sched = Scheduler(SchedulerConfig(**config), kv)  # type: ignore[arg-type]
+    sched = Scheduler(SchedulerConfig(**config), kv, speculative=speculative)  # type: ignore[arg-type]
     return Harness(sched, FakeRunner(num_blocks, block_size, token_fn))
 
 

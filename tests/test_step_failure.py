@@ -102,11 +102,11 @@ def test_failed_post_processing_fails_only_its_request(two_seq_llm, monkeypatch,
     add_token = Sequence.add_token
     calls = itertools.count(1)
 
-    def failing(self: Sequence, token_id: int, logprobs: Any) -> str | None:
+    def failing(self: Sequence, token_id: int, logprobs: Any, last: bool = True) -> str | None:
         target = self.request.prompt_token_ids == PROMPTS[1]["prompt_token_ids"]
         if target and next(calls) == 3:  # its third token
             raise RuntimeError(INJECTED)
-        return add_token(self, token_id, logprobs)
+        return add_token(self, token_id, logprobs, last)
 
     monkeypatch.setattr(Sequence, "add_token", failing)
     outputs = llm.generate(PROMPTS, GREEDY)

@@ -7,6 +7,7 @@ with the same name, an ``LLM(...)`` keyword and a ``--flag`` of the command line
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,6 +174,72 @@ class SchedulerConfig:
                      self.max_num_batched_tokens)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names (``speculative_config={...}``).
+
+    ``ngram`` (prompt lookup) proposes the continuation of the longest recent n-gram of the
+    request's own tokens (``prompt_lookup_min`` to ``prompt_lookup_max`` tokens long) that
+    occurred before; ``draft_model`` proposes with a smaller model (``model``, same
+    vocabulary). Either way at most ``num_speculative_tokens`` per request per step.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: GGUF file or HF folder
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
+                 f"one of {SPECULATIVE_METHODS}", self.method)
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool)
+                 and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+                 "speculative_config.num_speculative_tokens",
+                 f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
+        _require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+                 "speculative_config.prompt_lookup_min", "an integer >= 1",
+                 self.prompt_lookup_min)
+        _require(isinstance(self.prompt_lookup_max, int)
+                 and self.prompt_lookup_max >= self.prompt_lookup_min,
+                 "speculative_config.prompt_lookup_max", "an integer >= prompt_lookup_min",
+                 self.prompt_lookup_max)
+        _require((self.model is not None) == (self.method == "draft_model"),
+                 "speculative_config.model", "a model path for method draft_model (only)",
+                 self.model)
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or a JSON string (``--speculative-config '{...}'``); None, "", "none"
+        and "null" mean off. ValueError names the field that is wrong."""
+        if value is None or (isinstance(value, str)
+                             and value.strip().lower() in ("", "none", "null")):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r}: "
+                                 f"{e}") from None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required (ngram or draft_model)")
+        return cls(**value)
+
+
 # The step's token budget when none is given. Offline runs (LLM, `conveyor generate`, the
 # benchmarks) favour throughput: bigger prefill chunks amortise each step's weight reads.
 # `conveyor serve` favours inter-token latency: every running stream waits for the whole step,
@@ -217,6 +284,8 @@ class EngineArgs:
     grammar_compile_timeout: float = 5.0  # seconds
     max_grammar_bytes: int = 65536  # characters of a schema, regex, grammar or choices
     served_model_name: str | None = None
+    # speculative decoding: {"method": "ngram", "num_speculative_tokens": 4, ...} or its JSON
+    speculative_config: dict[str, Any] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -238,6 +307,10 @@ class EngineArgs:
                  self.grammar_compile_timeout)
         _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
                  self.max_grammar_bytes)
+        SpeculativeConfig.parse(self.speculative_config)  # validates
+
+    def spec_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -98,6 +98,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` outputs (a stop string ended the text earlier)."""
+        del self.output_token_ids[num_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_tokens:]
+
     def check_stop(self) -> RequestStatus | None:
         """Stop on EOS or a stop token id (past min_tokens), else on length.
 

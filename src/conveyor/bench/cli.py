@@ -21,6 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline = sub.add_parser("offline", help="a seeded workload through LLM.generate")
     offline.add_argument("--num-requests", type=int, default=64)
     offline.add_argument("--workload-seed", type=int, default=0)
+    offline.add_argument("--workload", choices=("reference", "grounded"), default="reference",
+                         help="reference: random prompts, fixed output lengths; grounded: "
+                              "chat requests to repeat, correct or reformat a passage of "
+                              "their prompt (greedy, real EOS), what speculation serves")
+    offline.add_argument("--no-warmup", dest="warmup", action="store_false",
+                         help="skip the untimed warm-up run of each engine")
     offline.add_argument("--roofline-batches", type=int, nargs="*", default=[1, 16, 64])
     offline.add_argument("--against-reference-ops", action="store_true",
                          help="also run the workload with the torch reference ops instead of "
@@ -49,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
+    from conveyor.bench.grounded import GroundedWorkload
     from conveyor.bench.offline import Workload, format_offline, run_offline
     from conveyor.engine.llm import LLM
 
@@ -58,9 +65,10 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     reference = LLM.from_engine_args(engine_args) if args.against_reference_ops else None
     against = (LLM.from_engine_args(engine_args_from(args, **overrides)), args.against) \
         if overrides else None
-    report = run_offline(llm, Workload(num_requests=args.num_requests, seed=args.workload_seed),
-                         tuple(args.roofline_batches), reference_llm=reference,
-                         against=against)
+    workload = (GroundedWorkload if args.workload == "grounded" else Workload)(
+        num_requests=args.num_requests, seed=args.workload_seed)
+    report = run_offline(llm, workload, tuple(args.roofline_batches), warmup=args.warmup,
+                         reference_llm=reference, against=against)
     _emit(report, args, format_offline)
     return 0
 

@@ -46,6 +46,9 @@ class Workload:
                                                ignore_eos=True)))
         return out
 
+    def prompts(self, llm: LLM) -> list[tuple[list[int], SamplingParams]]:
+        return self.requests(llm.engine.model_config.vocab_size)
+
 
 @dataclass
 class OfflineResult:
@@ -55,6 +58,10 @@ class OfflineResult:
     output_tokens: int
     num_steps: int
     num_preemptions: int
+    # speculative decoding in this run (0 when off): share of drafted tokens accepted, and
+    # tokens a verify yielded on average (accepted drafts + the sampled one)
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
     requests_per_s: float = field(init=False)
     output_tokens_per_s: float = field(init=False)
     total_tokens_per_s: float = field(init=False)
@@ -65,9 +72,10 @@ class OfflineResult:
         self.total_tokens_per_s = (self.prompt_tokens + self.output_tokens) / self.duration_s
 
 
-def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
-    """Run the workload once (all requests at once) and time it."""
-    requests = workload.requests(llm.engine.model_config.vocab_size)
+def run_workload(llm: LLM, workload: Any) -> OfflineResult:
+    """Run the workload (a Workload or GroundedWorkload) once, all requests at once, and
+    time it."""
+    requests = workload.prompts(llm)
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     params = [s for _, s in requests]
     before = llm.stats()
@@ -80,7 +88,18 @@ def run_workload(llm: LLM, workload: Workload) -> OfflineResult:
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         num_steps=after.num_steps - before.num_steps,
-        num_preemptions=after.num_preemptions - before.num_preemptions)
+        num_preemptions=after.num_preemptions - before.num_preemptions,
+        **_spec_delta(before, after))
+
+
+def _spec_delta(before: Any, after: Any) -> dict[str, float]:
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    if not drafts:
+        return {}
+    return {"spec_acceptance_rate": accepted / drafted,
+            "spec_mean_accepted_length": 1 + accepted / drafts}
 
 
 @torch.inference_mode()
@@ -150,7 +169,7 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = DECODE_CONTEXT_LEN
 WARMUP_SEED_OFFSET = 1000
 
 
-def warm_up_on(llm: LLM, workload: Workload) -> None:
+def warm_up_on(llm: LLM, workload: Any) -> None:
     """The workload once with another seed, untimed. The first run in a process pays one-time
     costs (among them oneDNN building a kernel for each new batch size): measured, it ran
     4-10 % slower than the same run right after, and a second engine in the same process
@@ -215,7 +234,7 @@ def single_stream(llm: LLM, stream: SingleStream) -> dict[str, float]:
             "decode_tokens_per_s": (stream.max_tokens - 1) / (end - first)}
 
 
-def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] = (1, 16, 64),
+def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1, 16, 64),
                 warmup: bool = True, reference_llm: LLM | None = None,
                 against: tuple[LLM, list[str]] | None = None) -> dict[str, Any]:
     """Throughput of the workload plus decode-step-vs-matmul ratios, in one run; with
@@ -243,11 +262,13 @@ def run_offline(llm: LLM, workload: Workload, roofline_batches: tuple[int, ...] 
         other = {"changes": changes, "result": asdict(other_result),
                  "throughput_ratio": (result.output_tokens_per_s
                                       / other_result.output_tokens_per_s)}
+    # No roofline batches: no decode-step timings and no single stream either (quick runs).
     roofline = roofline_rows(llm, roofline_batches)
-    stream = single_stream(llm, SingleStream())
+    stream = single_stream(llm, SingleStream()) if roofline_batches else None
     if against is not None and other is not None:
         other["roofline"] = roofline_rows(against[0], roofline_batches)
-        other["single_stream"] = single_stream(against[0], SingleStream())
+        other["single_stream"] = (single_stream(against[0], SingleStream())
+                                  if roofline_batches else None)
         against[0].engine.check_integrity()
     llm.engine.check_integrity()
     return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
@@ -277,6 +298,13 @@ def _stream_line(stream: dict[str, float]) -> str:
     return f"{label:<40}{stream['decode_tokens_per_s']:.1f} (TTFT {stream['ttft_ms']:.0f} ms)"
 
 
+def _spec_lines(result: dict[str, Any]) -> list[str]:
+    if not result.get("spec_mean_accepted_length"):
+        return []
+    return [f"{'Spec decode mean accepted length:':<40}{result['spec_mean_accepted_length']:.2f}",
+            f"{'Spec decode acceptance rate:':<40}{result['spec_acceptance_rate']:.2f}"]
+
+
 def format_offline(report: dict[str, Any]) -> str:
     r = report["result"]
     lines = [
@@ -290,11 +318,13 @@ def format_offline(report: dict[str, Any]) -> str:
         f"{'Request throughput (req/s):':<40}{r['requests_per_s']:.2f}",
         f"{'Output token throughput (tok/s):':<40}{r['output_tokens_per_s']:.1f}",
         f"{'Total token throughput (tok/s):':<40}{r['total_tokens_per_s']:.1f}",
+        *_spec_lines(r),
         "--------- Decode step vs matmuls (ms) -----------",
         ROOFLINE_HEADER,
     ]
     lines += [_roofline_line(row) for row in report["roofline"]]
-    lines.append(_stream_line(report["single_stream"]))
+    if report["single_stream"]:
+        lines.append(_stream_line(report["single_stream"]))
     ref = report.get("reference_ops")
     if ref:
         lines += ["------------ C++ kernels vs torch ops -------------",
@@ -305,10 +335,12 @@ def format_offline(report: dict[str, Any]) -> str:
         changes = " ".join(other["changes"])
         lines += [f"{' against ' + changes + ' ':-^50}",
                   f"{'Output tok/s:':<40}{other['result']['output_tokens_per_s']:.1f}",
+                  *_spec_lines(other["result"]),
                   f"{'This engine / that one:':<40}{other['throughput_ratio']:.2f}",
                   ROOFLINE_HEADER]
         lines += [_roofline_line(row) for row in other["roofline"]]
-        lines.append(_stream_line(other["single_stream"]))
+        if other["single_stream"]:
+            lines.append(_stream_line(other["single_stream"]))
     lines += ["ratio: decode step / bf16 matmuls (the roofline); own: / the engine's own",
               "matmuls (GGUF blocks read in place where it can); MB read: weights and K/V",
               f"a decode step reads at {DECODE_CONTEXT_LEN} tokens of context; GB/s: that over "

@@ -37,6 +37,10 @@ _HELP = {
                                "past it the request is refused (400)",
     "max_grammar_bytes": "longest JSON Schema, regex, grammar or choice list accepted "
                          "(characters)",
+    "speculative_config": "speculative decoding as JSON, vLLM's names: "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(none: off)",
 }
 
 

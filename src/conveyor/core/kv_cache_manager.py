@@ -190,6 +190,19 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i], table[i - 1] if i else None)
         self._num_registered[request.request_id] = max(start, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's tokens at once: the slots of drafts a
+        verification rejected (never published: they hold no verified token)."""
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
+        keep = max(self._target_blocks(request.num_tokens),
+                   self._num_registered.get(request.request_id, 0))
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(list(reversed(extra)))
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, last block first (its tail is evicted first)."""
         table = self.block_tables.pop(request.request_id, [])

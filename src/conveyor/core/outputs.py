@@ -1,7 +1,15 @@
 """The scheduler <-> model runner contract. Layer 0: stdlib only.
 
 The scheduler decides who runs and where their KV lives; the runner turns that into tensors
-and returns one sampled token per request that reached the end of its input.
+and returns the tokens sampled for each request that reached the end of its input: one, or
+with speculative decoding the drafts it accepted plus one it sampled.
+
+What the runner keeps per request between steps: the tokens the model has seen (prompt +
+outputs, to which it appends what it samples, so the next decode's input is the token it
+returned last step) and its sampling state (a seeded request's generator). It drops both
+when the request is in ``finished_request_ids``; a preempted request keeps its sampling state
+(its generator continues where it stopped) and gets its tokens again, all of them, in
+``new_requests`` when it resumes.
 """
 
 from __future__ import annotations
@@ -30,20 +38,26 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step (1 for a decode, more for a prefill chunk)
     num_computed_tokens: int  # tokens whose KV is already in the cache before this step
     block_ids: list[int]  # the request's whole block table after this step's allocation
-    samples: bool  # True when this step reaches the end of its tokens: sample one token
+    samples: bool  # True when this step reaches the end of its tokens: sample
+    # Drafted tokens to verify (speculative decoding), already counted in num_new_tokens and
+    # given KV slots: the step computes the request's last token plus these. Never part of
+    # the request's tokens (nor of the prefix cache) until the runner accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs. Requests appear in the order their tokens are concatenated."""
+    """What one step runs."""
 
     step_id: int
     new_requests: list[NewRequestData]  # the runner must (re)build state for these first
-    scheduled: list[ScheduledRequest]  # in batch order
-    # new token ids of running requests (the sampled token the runner returned last step
-    # is the input of the next decode; the runner appends it itself).
+    # In the scheduler's order (running requests, then admitted ones); the runner lays the
+    # tokens out in its own order (decodes first), so no meaning is attached to this one.
+    scheduled: list[ScheduledRequest]
     finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
-    preempted_request_ids: set[str] = field(default_factory=set)  # runner drops their state
+    # Preempted this step: informational (traces, a failed step's cleanup); the runner keeps
+    # their sampling state and rebuilds their tokens from new_requests when they resume.
+    preempted_request_ids: set[str] = field(default_factory=set)
     # Block copies to run before the forward pass, swap-outs first (a block a swap-out
     # frees may be reused by a swap-in or written by this very step):
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
@@ -71,6 +85,8 @@ class Logprob:
 class ModelRunnerOutput:
     """One step's results, for the requests that sampled."""
 
-    sampled_token_ids: dict[str, int]  # request_id -> the token sampled this step
-    # request_id -> {token_id: Logprob}: top-N plus the sampled token (only if asked)
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # request_id -> the tokens this step produced, in order: the accepted drafts, then the
+    # token sampled after them (one token without drafts)
+    sampled_token_ids: dict[str, list[int]]
+    # request_id -> per token above, {token_id: Logprob}: top-N plus that token (if asked)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)

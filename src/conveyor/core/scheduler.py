@@ -6,6 +6,9 @@ first (a decode costs one token, an unfinished prompt gets a chunk), then waitin
 the policy's order. A request that finishes leaves in the same step and its blocks are free
 for the next. When blocks run out, the policy names a victim to preempt (recompute: its
 blocks are freed and its tokens recomputed on resume).
+
+With speculative decoding (``spec_decode.SpecDecoder``), running decodes may then carry
+drafted tokens to verify, paid from the same budget, before waiting requests are admitted.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.outputs import (
     ModelRunnerOutput,
@@ -22,6 +25,7 @@ from conveyor.core.outputs import (
     SchedulerOutput,
 )
 from conveyor.core.policy import SchedulingPolicy, make_policy
+from conveyor.core.spec_decode import SpecDecoder
 from conveyor.request import Request, RequestStatus
 
 # Admission keeps this share of blocks free so newly admitted requests rarely force a
@@ -41,7 +45,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy or make_policy(config)
@@ -51,6 +56,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._step_id = 0
         self._watermark_blocks = int(ADMISSION_WATERMARK * kv_cache.num_blocks)
+        self.spec = SpecDecoder(speculative) if speculative is not None else None
+        self._step_started = 0.0  # perf_counter() when the last schedule() returned
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, request: Request) -> None:
@@ -102,6 +109,8 @@ class Scheduler:
         else:
             self.policy.remove(request)  # waiting or preempted
         self.policy.forget(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         request.status = status
         request.times.finished = time.time()
         self.kv_cache.free(request)
@@ -115,17 +124,21 @@ class Scheduler:
         self.kv_cache.begin_step()
         step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
+        if self.spec is not None and not step.preempted:
+            self._schedule_drafts(step)
         if not step.preempted:
             self._schedule_waiting(step)
         self._step_id += 1
         self.stats.num_steps += 1
         self._record_peak(step)
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(step_id=self._step_id, new_requests=step.new_requests,
+        output = SchedulerOutput(step_id=self._step_id, new_requests=step.new_requests,
                                scheduled=list(step.scheduled.values()),
                                finished_request_ids=finished,
                                preempted_request_ids=step.preempted,
                                swap_out=step.swap_out, swap_in=step.swap_in)
+        self._step_started = time.perf_counter()
+        return output
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         for request in list(self.running):
@@ -139,6 +152,26 @@ class Scheduler:
                     break
             if table is not None:
                 step.add(request, num_new, table)
+
+    def _schedule_drafts(self, step: _StepBuilder) -> None:
+        """Give this step's decodes drafted tokens to verify, from the budget left. A draft
+        never preempts anyone: without free blocks for it, the request decodes plainly."""
+        assert self.spec is not None
+        # Constrained requests (structured outputs) decode plainly: their grammar's mask is
+        # computed for one position per step.
+        decodes = [r for r in self.running if (item := step.scheduled.get(r.request_id))
+                   and item.num_new_tokens == 1 and item.samples
+                   and r.num_computed_tokens >= r.num_prompt_tokens
+                   and r.sampling_params.structured_outputs is None]
+        scheduled = self.config.max_num_batched_tokens - step.budget
+        self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
+        for request in decodes:
+            # The drafts and the token sampled after them stay within max_tokens.
+            limit = min(step.budget, request.max_tokens - request.num_output_tokens - 1)
+            drafts = self.spec.propose(request, limit) if limit > 0 else []
+            if drafts and (table := self.kv_cache.allocate_slots(
+                    request, 1 + len(drafts))) is not None:
+                step.add_drafts(request, drafts, table)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         if not self._may_admit():
@@ -253,25 +286,44 @@ class Scheduler:
 
         Returns the requests that got a new token (finished ones included).
         """
+        if self.spec is not None:
+            self.spec.record_step(scheduler_output.total_num_scheduled_tokens,
+                                  time.perf_counter() - self._step_started)
         updated = []
         now = time.time()
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            if not item.samples:
-                continue
-            request.append_output_token(runner_output.sampled_token_ids[item.request_id])
-            if request.times.first_token is None:
-                request.times.first_token = now
-            request.times.last_token = now
-            status = request.check_stop()
-            if status is not None:
-                self._finish(request, status)
-            updated.append(request)
+            tokens = runner_output.sampled_token_ids[item.request_id] if item.samples else []
+            self._advance(request, item, tokens)
+            if tokens:
+                if request.times.first_token is None:
+                    request.times.first_token = now
+                request.times.last_token = now
+                updated.append(request)
         return updated
+
+    def _advance(self, request: Request, item: ScheduledRequest, tokens: list[int]) -> None:
+        """Take one step's result: its computed tokens (the rejected drafts' KV does not
+        count), the tokens sampled in order up to a stop, the rejected drafts' blocks back."""
+        num_drafts = len(item.spec_token_ids)
+        assert len(tokens) <= num_drafts + 1, f"{item.request_id}: more tokens than drafts + 1"
+        num_accepted = max(len(tokens) - 1, 0)
+        request.num_computed_tokens += item.num_new_tokens - num_drafts + num_accepted
+        status = None
+        for token in tokens:
+            request.append_output_token(token)
+            if (status := request.check_stop()) is not None:
+                break  # the tokens after a stop are dropped
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        self.kv_cache.cache_computed_blocks(request)  # verified tokens only
+        if num_drafts and self.spec is not None:
+            self.spec.record(request.request_id, num_drafts, num_accepted)
+        if status is not None:
+            self._finish(request, status)
+        elif num_drafts:
+            self.kv_cache.trim(request)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -313,6 +365,15 @@ class _StepBuilder:
             request_id=request.request_id, num_new_tokens=num_new,
             num_computed_tokens=request.num_computed_tokens, block_ids=list(block_table),
             samples=samples)
+
+    def add_drafts(self, request: Request, drafts: list[int], block_table: list[int]) -> None:
+        """The request's scheduled decode verifies ``drafts`` too."""
+        item = self.scheduled[request.request_id]
+        self.budget -= len(drafts)
+        self.policy.on_scheduled(request, len(drafts))
+        item.num_new_tokens += len(drafts)
+        item.spec_token_ids = list(drafts)
+        item.block_ids = list(block_table)
 
     def unschedule(self, request: Request) -> None:
         item = self.scheduled.pop(request.request_id, None)

@@ -17,10 +17,16 @@ from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import BlockMap, KVCacheManager
-from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.sequence import RequestGroup, Sequence
-from conveyor.engine.stats import FINISH_REASONS, EngineStats, ScheduledEntry, StepTrace
+from conveyor.engine.stats import (
+    FINISH_REASONS,
+    EngineStats,
+    ScheduledEntry,
+    StepTrace,
+    spec_decode_fields,
+)
 from conveyor.model.device import resolve_device, resolve_dtype
 from conveyor.model.llama import build_model
 from conveyor.model.loader import load_checkpoint
@@ -70,7 +76,12 @@ class LLMEngine:
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
             reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
-        self.scheduler = Scheduler(sched, kv_manager)
+        self.speculative_config = args.spec_config()
+        if self.speculative_config is not None and \
+                self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; "
+                             "use 'ngram'")
+        self.scheduler = Scheduler(sched, kv_manager, speculative=self.speculative_config)
         self.grammars = (GrammarCompiler(self.tokenizer, args.grammar_compile_timeout,
                                          args.max_grammar_bytes)
                          if self.tokenizer is not None else None)
@@ -128,6 +139,7 @@ class LLMEngine:
             grammar_compiles=grammar.num_compiles,
             grammar_cache_hits=grammar.num_cache_hits,
             grammar_compile_seconds=grammar.compile_seconds,
+            **spec_decode_fields(sched.spec.stats if sched.spec is not None else None),
         )
 
     # ------------------------------------------------------------------ requests
@@ -289,7 +301,7 @@ class LLMEngine:
                 continue  # a sibling sample failed earlier in this loop: the group is gone
             group, seq = entry
             try:
-                self._on_token(group, seq, runner_output.logprobs.get(request.request_id))
+                self._on_tokens(group, seq, runner_output.logprobs.get(request.request_id))
             except Exception:
                 logger.exception("request %s failed after its token", group.request_id)
                 touched.pop(group.request_id, None)
@@ -327,9 +339,7 @@ class LLMEngine:
         kv = self.scheduler.kv_cache
         return StepTrace(
             step=out.step_id, time=start, duration=time.perf_counter() - start,
-            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens,
-                                           "decode" if s.num_new_tokens == 1
-                                           and s.num_computed_tokens else "prefill")
+            scheduled=tuple(ScheduledEntry(s.request_id, s.num_new_tokens, _step_kind(s))
                             for s in out.scheduled),
             preempted=tuple(sorted(out.preempted_request_ids)),
             waiting=tuple(r.request_id for r in self.scheduler.policy),
@@ -338,15 +348,24 @@ class LLMEngine:
             kv_blocks_total=kv.num_blocks,
         )
 
-    def _on_token(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
+    def _on_tokens(self, group: RequestGroup, seq: Sequence, logprobs: Any) -> None:
+        """The step's new tokens of one sequence, in order (several when drafts were
+        accepted): text, stop strings (the tokens after one are dropped), logprobs."""
         request = seq.request
-        token = request.output_token_ids[-1]
-        self.num_generation_tokens += 1
-        if logprobs is not None and self.tokenizer is not None:
-            for token_id, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if seq.add_token(token, logprobs) is not None and not request.status.finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        new = seq.new_token_ids()
+        for i, token in enumerate(new):
+            self.num_generation_tokens += 1
+            lp = logprobs[i] if logprobs is not None else None
+            if lp is not None and self.tokenizer is not None:
+                for token_id, entry in lp.items():
+                    entry.decoded_token = self.tokenizer.decode([token_id],
+                                                                skip_special_tokens=False)
+            if seq.add_token(token, lp, last=i == len(new) - 1) is not None \
+                    and not request.status.finished:
+                self.scheduler.finish_requests([request.request_id],
+                                               RequestStatus.FINISHED_STOPPED)
+                request.truncate_output(seq.num_tokens_seen)
+                break
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
         if group.pending and seq.index == 0:
@@ -371,3 +390,9 @@ class LLMEngine:
         """KV invariants (with no request alive, every block is free)."""
         self.scheduler.check_integrity()
 
+
+def _step_kind(s: ScheduledRequest) -> str:
+    """A traced request-step: "verify" (a decode with drafts), "decode" or "prefill"."""
+    if s.spec_token_ids:
+        return "verify"
+    return "decode" if s.num_new_tokens == 1 and s.num_computed_tokens else "prefill"

@@ -26,15 +26,24 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_tokens_seen: int = 0  # output tokens taken by add_token so far
 
-    def add_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> str | None:
-        """Take the token the scheduler appended; returns a stop string it completed, if any."""
+    def new_token_ids(self) -> list[int]:
+        """Output tokens the scheduler appended since the last ``add_token`` (several when a
+        step accepted drafted tokens)."""
+        return self.request.output_token_ids[self.num_tokens_seen:]
+
+    def add_token(self, token_id: int, logprobs: dict[int, Logprob] | None,
+                  last: bool = True) -> str | None:
+        """Take the next token the scheduler appended (``last``: the step's last one, the one
+        the request's status is about); returns a stop string it completed, if any."""
         params = self.request.sampling_params
+        self.num_tokens_seen += 1
         if logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
-        status = self.request.status
+        status = self.request.status if last else RequestStatus.RUNNING
         stopped_on_token = (status == RequestStatus.FINISHED_STOPPED)
         if stopped_on_token and token_id in params.stop_token_ids:
             self.stop_reason = token_id

@@ -41,10 +41,41 @@ class EngineStats:
     grammar_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     grammar_cache_hits: int = 0  # constrained requests whose grammar was cached
     grammar_compile_seconds: float = 0.0  # total compile time
+    # Speculative decoding (vLLM's spec_decode_* names; zeros when it is off):
+    spec_decode_num_drafts: int = 0  # verifies (a request's step with drafted tokens)
+    spec_decode_num_draft_tokens: int = 0  # tokens drafted
+    spec_decode_num_accepted_tokens: int = 0  # drafted tokens accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # by draft position
+    spec_decode_num_steps_off: int = 0  # steps where the cost model let nobody draft
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Share of drafted tokens accepted (0 without drafts)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verify yields on average: accepted drafts + the one sampled (0: none)."""
+        drafts = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the field names as keys."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self),
+                "spec_decode_acceptance_rate": self.spec_decode_acceptance_rate,
+                "spec_decode_mean_accepted_length": self.spec_decode_mean_accepted_length}
+
+
+def spec_decode_fields(stats: Any) -> dict[str, Any]:
+    """EngineStats' spec_decode_* fields from the scheduler's SpecDecodeStats (or None)."""
+    if stats is None:
+        return {}
+    return {"spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(stats.accepted_per_pos),
+            "spec_decode_num_steps_off": stats.num_steps_off}
 
 
 class ScheduledEntry(NamedTuple):
@@ -52,7 +83,9 @@ class ScheduledEntry(NamedTuple):
 
     request_id: str
     num_new_tokens: int  # tokens computed for it in the step
-    kind: str  # "decode" (one token past its prompt) or "prefill" (a prompt or recompute chunk)
+    # "decode" (one token past its prompt), "verify" (a decode with drafted tokens) or
+    # "prefill" (a prompt or recompute chunk)
+    kind: str
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 The runner never decides who runs. It keeps, per request, the tokens it feeds the model and
 the sampler's state; it lays out the step's tokens flat and unpadded (decodes first, then
 prefill chunks), computes positions and KV slots, and samples only where a request reached
-the end of its input.
+the end of its input. A request verifying drafted tokens is a chunk of its last token plus
+the drafts; its rows are generated tokens, so they attend as decodes (the decode kernel, as
+``PrefillChunk.generated_rows``), and every row's logits go to ``Sampler.verify``.
 """
 
 from __future__ import annotations
@@ -135,25 +137,33 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not samplers:
             return ModelRunnerOutput({})
-        ends = np.cumsum([s.num_new_tokens for s in batch]) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        # A sampling request's rows: its last token's, after its drafts' (a verify).
+        ends = np.cumsum([s.num_new_tokens for s in batch])
+        rows = [r for i, s in enumerate(batch) if s.samples
+                for r in range(int(ends[i]) - len(s.spec_token_ids) - 1, int(ends[i]))]
         if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        if masks is not None:
-            constrained_rows, bitmask = masks
-            apply_token_bitmask(logits, bitmask.result(), constrained_rows)
+        if masks is not None:  # constrained requests never draft: one row each
+            constrained, bitmask = masks
+            first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
+            apply_token_bitmask(logits, bitmask.result(), [int(first[i]) for i in constrained])
+        return self._sampled(samplers, logits)
+
+    def _sampled(self, samplers: list[ScheduledRequest], logits: torch.Tensor
+                 ) -> ModelRunnerOutput:
+        """Sample (or verify the drafts of) each request from its rows of ``logits``."""
         states = [self.states[s.request_id] for s in samplers]
-        token_ids, logprobs = self.sampler(logits, states)
+        sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = ModelRunnerOutput({})
-        for s, state, token, lp in zip(samplers, states, token_ids, logprobs, strict=True):
-            state.output_token_ids.append(token)
-            self.tokens[s.request_id].append(token)
-            result.sampled_token_ids[s.request_id] = token
-            if lp is not None:
-                result.logprobs[s.request_id] = lp
+        for s, state, (tokens, logprobs) in zip(samplers, states, sampled, strict=True):
+            state.output_token_ids.extend(tokens)
+            self.tokens[s.request_id].extend(tokens)
+            result.sampled_token_ids[s.request_id] = tokens
+            if logprobs[0] is not None:
+                result.logprobs[s.request_id] = logprobs  # type: ignore[assignment]
             if (matcher := self.matchers.get(s.request_id)) is not None:
-                matcher.consume_token(token)
+                matcher.consume_tokens(tokens)
         return result
 
     def _add_requests(self, out: SchedulerOutput) -> None:
@@ -223,7 +233,8 @@ class ModelRunner:
                 decode_slots.append(s.block_ids[start // bs] * bs + start % bs)
                 num_decodes += 1
                 continue
-            ids.extend(self.tokens[s.request_id][start:end])
+            ids.extend(self.tokens[s.request_id][start:end - len(s.spec_token_ids)])
+            ids.extend(s.spec_token_ids)
             pos = np.arange(start, end)
             table = np.asarray(s.block_ids)
             pos_parts.append(pos)

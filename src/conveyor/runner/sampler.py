@@ -5,10 +5,24 @@ batch with per-row parameters); per-request where they must differ: a seeded req
 its noise from its own generator, so its samples do not depend on what else is in the batch.
 Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), equivalent to drawing from
 p and cheap to batch.
+
+Speculative decoding (``Sampler.verify``): a request with k drafted tokens has k+1 logits
+rows; row i is processed exactly as a plain step would process it after the first i drafts
+(``SamplingState.after``: penalties and min_tokens see them), so each row's distribution is
+the one a plain decode at that position would sample from. Greedy requests take each row's
+token as a plain step would and keep the drafts up to the first that differs: the output is
+the one speculation off gives. Other requests use the rejection rule of Leviathan et al. /
+Chen et al. for deterministic proposals (q(d) = 1): d is kept with probability p(d), a
+rejection draws from p without d, after k acceptances one more token comes from the last
+row; the output is distributed as the target model's. The draws are the plain sampler's own
+(``_rejection``), so a seeded request's tokens do not depend on speculation either. Logits processors that depend on the tokens so far (the
+penalties, min_tokens' ban, and any later per-request mask) belong in ``_process``, which
+sees one row state per row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +42,12 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded requests only
     eos_token_ids: tuple[int, ...] = ()
+
+    def after(self, drafts: list[int]) -> SamplingState:
+        """This state as it will be once ``drafts`` are accepted (for row i of a verify)."""
+        if not drafts:
+            return self
+        return dataclasses.replace(self, output_token_ids=self.output_token_ids + drafts)
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that would stop the request before min_tokens: masked until then."""
@@ -76,6 +96,62 @@ class Sampler:
                                                 state.params.logprobs)
         return token_list, logprobs
 
+    def verify(self, logits: torch.Tensor, states: list[SamplingState],
+               drafts: list[list[int]]) -> list[tuple[list[int], list[dict[int, Logprob] | None]]]:
+        """logits: len(drafts[i]) + 1 rows per request, in order -> per request the accepted
+        drafts plus the token sampled after them, and their logprobs (None each if not
+        asked). A request without drafts samples one token, as ``__call__``."""
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        rejection = [bool(d) and not s.params.greedy for s, d in zip(states, drafts, strict=True)]
+        rows = [starts[i] + r for i, d in enumerate(drafts) if not rejection[i]
+                for r in range(len(d) + 1)]
+        row_states = [states[i].after(d[:r]) for i, d in enumerate(drafts) if not rejection[i]
+                      for r in range(len(d) + 1)]
+        results: list[tuple[list[int], list[dict[int, Logprob] | None]]] = []
+        if rows:
+            plain = logits if len(rows) == logits.shape[0] else \
+                logits.index_select(0, torch.tensor(rows, device=logits.device))
+            tokens, logprobs = self(plain, row_states)
+        at = 0
+        for i, (state, d) in enumerate(zip(states, drafts, strict=True)):
+            if rejection[i]:
+                results.append(self._rejection(logits[starts[i]:starts[i + 1]], state, d))
+                continue
+            row_tokens = tokens[at:at + len(d) + 1]
+            kept = next((j for j, t in enumerate(d) if row_tokens[j] != t), len(d))
+            results.append((row_tokens[:kept + 1], logprobs[at:at + kept + 1]))
+            at += len(d) + 1
+        return results
+
+    def _rejection(self, logits: torch.Tensor, state: SamplingState, drafts: list[int]
+                   ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """Rejection sampling of one request's drafts (deterministic proposals, q(d) = 1).
+
+        Row i draws its token as a plain step would (the exponential race, one noise draw
+        from the request's generator); the draft is kept if the draw equals it, else the
+        draw is the token and the run ends. That is the Leviathan/Chen rule for q(d) = 1:
+        d is kept with probability p(d) = min(1, p(d)/q(d)), and a rejection's token is
+        distributed as max(p - q, 0) renormalized (p without d). One draw per token
+        produced, as without drafts: a seeded request gives the same tokens either way.
+        """
+        views = [state.after(drafts[:i]) for i in range(len(drafts) + 1)]
+        logits = logits.float()
+        probs = self._probs(self._apply_penalties(logits, views), views)
+        generator = state.generator or self.generator
+        tokens: list[int] = []
+        for i in range(len(drafts) + 1):
+            tokens.append(_race(probs[i], generator))
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                break
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(tokens)
+        if state.params.logprobs is not None:
+            raw = torch.log_softmax(logits, dim=-1)
+            logprobs = [_top_logprobs(raw[i], t, state.params.logprobs)
+                        for i, t in enumerate(tokens)]
+        return tokens, logprobs
+
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
         """Repetition/presence/frequency penalties, and min_tokens' ban on stop tokens."""
@@ -106,6 +182,15 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """logits: [R, V] for non-greedy rows -> sampled ids [R]."""
+        probs = self._probs(logits, states)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                noise[i].exponential_(generator=state.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The distributions the rows sample from: temperature, top-k, top-p, min-p."""
         device = logits.device
         temps = torch.tensor([s.params.temperature for s in states], device=device)
         logits = logits / temps.unsqueeze(1)
@@ -118,11 +203,13 @@ class Sampler:
             min_p = torch.tensor([s.params.min_p for s in states], device=device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, state in enumerate(states):
-            if state.generator is not None:
-                noise[i].exponential_(generator=state.generator)
-        return (probs / noise).argmax(dim=-1)
+        return probs
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from the (unnormalized) distribution ``probs`` [V]: the exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def _plain_greedy(state: SamplingState) -> bool:

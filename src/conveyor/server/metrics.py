@@ -68,6 +68,16 @@ class ServerMetrics:
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Number of spec decoding drafts (verifies of drafted tokens).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Number of draft tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.",
+                                             ("position",))
+        self._last_per_pos: tuple[int, ...] = ()
         self.success = counter("request_success", "Count of successfully processed requests.",
                                ("finished_reason",))
         token_buckets = build_1_2_5_buckets(max_model_len)
@@ -91,10 +101,9 @@ class ServerMetrics:
         self._model = model_name
         for reason in FINISH_REASONS:  # export zeros, so a rate() has a starting point
             self.success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions,
-                       self.prefix_queries, self.prefix_hits):
+        for metric in self._counters():
             metric.labels(model_name)
-        self._last_counts: tuple[int, ...] = (0, 0, 0, 0, 0)  # _counts before any step
+        self._last_counts: tuple[int, ...] = (0,) * 8  # _counts before any step
         # request_id -> (tokens generated so far, time of the last one): loop thread only.
         self._progress: dict[str, tuple[int, float]] = {}
 
@@ -105,14 +114,25 @@ class ServerMetrics:
         self.waiting.labels(m).set(stats.num_requests_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
         counts = _counts(stats)
-        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions,
-                    self.prefix_queries, self.prefix_hits)  # in _counts' order
-        for metric, count, last in zip(counters, counts, self._last_counts, strict=True):
+        for metric, count, last in zip(self._counters(), counts, self._last_counts,
+                                       strict=True):
             if count > last:
                 metric.labels(m).inc(count - last)
         self._last_counts = counts
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        last_pos = self._last_per_pos or (0,) * len(per_pos)
+        for pos, (count, last) in enumerate(zip(per_pos, last_pos, strict=True)):
+            if count > last:
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(count - last)
+        self._last_per_pos = per_pos
         for output in outputs:
             self._observe(output, now)
+
+    def _counters(self) -> tuple[Counter, ...]:
+        """The counters that follow EngineStats' cumulative counts, in _counts' order."""
+        return (self.prompt_tokens, self.generation_tokens, self.preemptions,
+                self.prefix_queries, self.prefix_hits, self.spec_drafts,
+                self.spec_draft_tokens, self.spec_accepted)
 
     def _observe(self, output: RequestOutput, now: float) -> None:
         m, rid = self._model, output.request_id
@@ -146,4 +166,5 @@ class ServerMetrics:
 def _counts(stats: EngineStats) -> tuple[int, ...]:
     """The cumulative engine counters the Prometheus counters follow."""
     return (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_preemptions,
-            stats.prefix_cache_queries, stats.prefix_cache_hits)
+            stats.prefix_cache_queries, stats.prefix_cache_hits, stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)

@@ -163,7 +163,7 @@ class Replica:
         self.clock += duration
         self.busy_time += duration
         token = self.setup.output_token
-        sampled = {item.request_id: token for item in out.scheduled if item.samples}
+        sampled = {item.request_id: [token] for item in out.scheduled if item.samples}
         updated = self.scheduler.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
         finished = [self._on_token(r) for r in updated]
         kv = self.scheduler.kv_cache

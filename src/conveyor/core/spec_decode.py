@@ -1,0 +1,193 @@
+"""Speculative decoding, the scheduler's side: who drafts how many tokens. Layer 0: stdlib.
+
+A running request whose next step is a plain decode may verify drafted tokens in the same
+step: the scheduler proposes them (n-gram prompt lookup over the request's own verified
+tokens), counts them against the step's token budget and allocates their KV slots; the
+runner computes the k+1 tokens as one chunk, keeps the accepted drafts plus one token it
+samples, and the scheduler gives back the slots the rejected drafts held.
+
+How many tokens to draft is decided per request and per step from two measurements:
+
+- the request's acceptance rate ``alpha`` (decayed counts of drafted vs accepted tokens): the
+  i-th draft is accepted with probability about ``alpha ** i``;
+- the step's cost ``t(T) = a + b*T`` for ``T`` tokens, fitted by least squares over recent
+  steps (the scheduler times each step between ``schedule`` and ``update``). A draft token
+  costs ``b`` more seconds and yields its acceptance probability ``P`` more tokens; a step
+  producing ``G`` tokens in ``t`` seconds gains throughput only if ``P > G*b/t``.
+
+So a request drafts its i-th token only while ``alpha ** i`` clears that threshold. When the
+batch is large enough that the step is compute-bound (``b*T`` dominates ``a``) the threshold
+nears 1 and speculation turns itself off for the step; when the weights' read dominates
+(small batches) it is close to 0. A request whose drafts keep failing stops drafting, and
+retries one draft after a back-off that doubles (up to ``MAX_BACKOFF_STEPS``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+from conveyor.config import SpeculativeConfig
+from conveyor.request import Request
+
+# Acceptance prior (as if this many of DRAFT_PRIOR_TRIED drafts were accepted): an n-gram
+# match is a fair hint that the text repeats.
+ACCEPT_PRIOR = 1.4
+DRAFT_PRIOR_TRIED = 2.0
+ACCEPT_DECAY = 0.8  # weight of a request's older verifies in its acceptance rate
+COST_WINDOW = 128  # steps the cost fit looks back over
+COST_MIN_SAMPLES = 8  # until then (or without spread in T) drafts are not cost-limited
+MAX_BACKOFF_STEPS = 32
+OFF_THRESHOLD = 0.999  # a step whose drafts would need this acceptance counts as "off"
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation of the first earlier occurrence of the request's last
+    n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] (as vLLM: the
+    first occurrence of a repeating text has the longest continuation)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) <= self.min_n:
+            return []
+        ids = array("i", tokens)  # token ids fit int32; bytes.rfind runs in C
+        size, data = ids.itemsize, ids.tobytes()
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            pattern = data[-n * size:]
+            end = len(data) - size  # the occurrence must end before the last token
+            pos = data.find(pattern, 0, end)
+            while pos != -1 and pos % size:  # a match across token boundaries: look on
+                pos = data.find(pattern, pos + 1, end)
+            if pos != -1:
+                start = pos // size + n
+                return tokens[start:start + k]
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters (cumulative)."""
+
+    num_drafts: int = 0  # verifies: request-steps that carried at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted tokens by draft position (index 0: the first draft of a verify)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_steps_off: int = 0  # steps where the cost model let no request draft
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify yields on average: accepted drafts plus the sampled one."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class _RequestSpec:
+    accepted: float = ACCEPT_PRIOR
+    tried: float = DRAFT_PRIOR_TRIED
+    backoff: int = 0  # steps to wait before drafting again
+    next_backoff: int = 1
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+
+class StepCostModel:
+    """t(T) = a + b*T over the last COST_WINDOW steps (least squares)."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self.samples.append((num_tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        n = len(self.samples)
+        if n < COST_MIN_SAMPLES:
+            return None
+        mean_t = sum(t for t, _ in self.samples) / n
+        mean_s = sum(s for _, s in self.samples) / n
+        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
+        if var == 0:
+            return None
+        b = sum((t - mean_t) * (s - mean_s) for t, s in self.samples) / var
+        b = max(b, 0.0)
+        return max(mean_s - b * mean_t, 0.0), b
+
+    def draft_threshold(self, num_tokens: int, num_samples: int) -> float:
+        """The acceptance probability a draft token needs to pay for itself in a step of
+        ``num_tokens`` tokens where ``num_samples`` requests sample (0: no fit yet)."""
+        fitted = self.fit()
+        if fitted is None:
+            return 0.0
+        a, b = fitted
+        step = a + b * num_tokens
+        return num_samples * b / step if step > 0 else 0.0
+
+
+class SpecDecoder:
+    """Proposes drafts for the scheduler and learns from their verification."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.cost = StepCostModel()
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._requests: dict[str, _RequestSpec] = {}
+        self._threshold = 0.0
+
+    def begin_step(self, num_tokens: int, num_samples: int) -> None:
+        """Set this step's threshold from its expected size (tokens and sampling requests
+        before any draft)."""
+        self._threshold = self.cost.draft_threshold(num_tokens, num_samples)
+        if self._threshold >= OFF_THRESHOLD:
+            self.stats.num_steps_off += 1
+
+    def num_to_draft(self, request: Request, limit: int) -> int:
+        """Drafts worth verifying for ``request`` this step, at most ``limit``."""
+        state = self._requests.setdefault(request.request_id, _RequestSpec())
+        if state.backoff > 0:
+            state.backoff -= 1
+            return 0
+        k, p = 0, 1.0
+        limit = min(limit, self.config.num_speculative_tokens)
+        while k < limit and (p := p * state.alpha) > self._threshold:
+            k += 1
+        return k
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        k = self.num_to_draft(request, limit)
+        return self.proposer.propose(request.all_token_ids, k) if k else []
+
+    def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """One verify's outcome: ``num_accepted`` of ``num_drafted`` drafts were kept."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            stats.accepted_per_pos[i] += 1
+        state = self._requests.setdefault(request_id, _RequestSpec())
+        state.accepted = ACCEPT_DECAY * state.accepted + num_accepted
+        state.tried = ACCEPT_DECAY * state.tried + num_accepted + (num_accepted < num_drafted)
+        if num_accepted == 0:  # nothing gained: wait before drafting again, longer each time
+            state.backoff = state.next_backoff
+            state.next_backoff = min(2 * state.next_backoff, MAX_BACKOFF_STEPS)
+        else:
+            state.next_backoff = 1
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.record(num_tokens, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
