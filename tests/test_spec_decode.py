@@ -7,12 +7,11 @@ seeded sample is the same on and off; unseeded sampling keeps the target's distr
 (chi-square, on the sampler and on the model). A repetition penalty below 1 makes the random
 model copy its prompt, so n-gram drafts are proposed and many accepted.
 
-Token identity holds on any CPU. The bit-identity of the logprobs
-(``test_logprobs_are_bit_identical_with_speculation``) needs every matmul to give a row the
-same result whatever the number of rows in the call (a verify computes k+1 rows of a request
-where a decode computes one): it fails by a few ULPs on CPUs where torch's float32 linear is
-not row-invariant (the AVX2 AMD EPYC of the CI) until conveyor's own matmul kernels serve
-every row count.
+The bit-identity of the logprobs (``test_logprobs_are_bit_identical_with_speculation``)
+needs every matmul to give a row the same result whatever the number of rows in the call (a
+verify computes k+1 rows of a request where a decode computes one): conveyor's float32 dot
+kernels (``csrc/f32_linear.cpp``, every CPU with AVX2) give that; torch's float32 linear
+does not (a single row takes a GEMV).
 """
 
 from __future__ import annotations

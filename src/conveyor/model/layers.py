@@ -36,11 +36,19 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.dot = dot_matmuls(weight)
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        # float32 lane tiles hold 8 rows: an LM head of another vocabulary size gets zero rows
+        # (and bias), cut from its outputs.
+        self.padding = -self.out_features % 8 if self.dot and self.dtype == torch.float32 else 0
+        if self.padding:
+            weight = torch.cat([weight, weight.new_zeros(self.padding, self.in_features)])
+            bias = None if bias is None else torch.cat([bias, bias.new_zeros(self.padding)])
         # Either layout is opaque to torch (pair tiles, or mkldnn): a plain attribute, not a
         # parameter. C++ `linear` picks the kernel by it.
-        self.packed = (torch.ops.conveyor.pack_dot_weight(weight.detach()) if self.dot
-                       else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        self.bias = None if bias is None else bias.detach()
+        self.packed = (torch.ops.conveyor.pack_dot_weight(weight) if self.dot
+                       else torch.ops.mkldnn._reorder_linear_weight(weight, 1))
+        self.bias = bias
         self.blocks: torch.Tensor | None = None  # ops.pack_block_weights or pack_dot_blocks
 
     @classmethod
@@ -49,14 +57,17 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None or self.dot:  # C++ picks the kernel and the weight's form
-            return torch.ops.conveyor.linear(x, self.packed, self.blocks, self.bias)
+            return self._cut(torch.ops.conveyor.linear(x, self.packed, self.blocks, self.bias))
         return self.dense(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul on the bf16 (or float) weight, whatever the batch size."""
         if self.dot:
-            return torch.ops.conveyor.dot_linear(x, self.packed, self.bias)
+            return self._cut(torch.ops.conveyor.dot_linear(x, self.packed, self.bias))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _cut(self, y: torch.Tensor) -> torch.Tensor:
+        return y[:, :self.out_features].contiguous() if self.padding else y
 
     def decode_weight_bytes(self) -> int:
         """Bytes a small batch reads: the blocks when there are, else the weight."""
@@ -102,13 +113,14 @@ def dot_matmuls(weight: torch.Tensor) -> bool:
     - a bf16 weight with rows a multiple of 16 and an even number of inputs, on a CPU whose
       kernels were built with AVX512-BF16 and that has no AMX (AMX keeps oneDNN, with which
       its block kernels agree bit for bit);
-    - a float32 weight with rows a multiple of 8, on a CPU with AVX2 and FMA.
+    - a float32 weight, on a CPU with AVX2 and FMA (``PackedLinear`` pads its rows to a
+      multiple of 8).
     """
     out_features, in_features = weight.shape
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.float32:
-        return out_features % 8 == 0 and f32_kernels_available()
+        return f32_kernels_available()
     return (weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
             and dot_kernels_available())
 

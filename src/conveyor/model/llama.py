@@ -162,8 +162,8 @@ class CausalLM(nn.Module):
             packed["post_norm"].append(layer.post_attention_layernorm.weight)
             linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                        "down": mlp.down_proj}
-            if not all(isinstance(m, PackedLinear) for m in linears.values()):
-                return None
+            if not all(isinstance(m, PackedLinear) and not m.padding for m in linears.values()):
+                return None  # the fused loop takes each weight's packed rows as they are
             for name, m in linears.items():
                 packed[name].append(m.packed)
                 packed[f"{name}_blocks"].append(m.blocks)
