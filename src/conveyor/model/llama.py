@@ -19,8 +19,13 @@ from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
-from conveyor.ops import (amx_available, dot_kernels_available, f32_kernels_available, for_device,
-                          reference)
+from conveyor.ops import (
+    amx_available,
+    dot_kernels_available,
+    f32_kernels_available,
+    for_device,
+    reference,
+)
 
 logger = logging.getLogger(__name__)
 
