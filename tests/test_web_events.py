@@ -83,16 +83,18 @@ def test_events_describe_the_steps_the_server_ran(server: ServerProcess) -> None
         assert info["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
         assert [tuple(c) for c in info["categories"]] == list(CATEGORIES)
 
-        def complete(prompt: str, n: int) -> Any:
+        def complete(prompt: str, n: int, max_tokens: int) -> Any:
             return client.completions.create(model=server.model, prompt=prompt, n=n,
-                                              max_tokens=120, temperature=0,
+                                              max_tokens=max_tokens, temperature=0,
                                               extra_body={"ignore_eos": True})
 
         with ThreadPoolExecutor(3) as pool:
-            # n=2: the second sample shares the first one's prompt blocks (prefix caching).
-            futures = [pool.submit(complete, "the sea " * 30, 2),
-                       pool.submit(complete, "hello world", 1),
-                       pool.submit(complete, "quick brown fox", 1)]
+            # n=2: the second sample shares the first one's prompt blocks (prefix caching);
+            # long enough (~300 steps) to outlive a few block-map snapshots (one per 0.2 s)
+            # on a fast machine, short enough to fit the 1 MiB cache beside the others.
+            futures = [pool.submit(complete, "the sea " * 30, 2, 300),
+                       pool.submit(complete, "hello world", 1, 40),
+                       pool.submit(complete, "quick brown fox", 1, 40)]
             seen = steps_until(stream, lambda e: e["num_requests_running"] == 0
                                and e["num_requests_waiting"] == 0 and not e["steps"]
                                and all(f.done() for f in futures))

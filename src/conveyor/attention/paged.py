@@ -66,8 +66,8 @@ def _rows_as_decodes(ops: Any, q: torch.Tensor) -> bool:
     """Whether every row of a prefill chunk attends as a decode would (the decode kernel over
     its context in the cache): float32 with the C++ kernels, where no prefill attention
     kernel exists and SDPA's blocking makes a query's result depend on its chunk. A row's
-    attention is then that of its decode, whatever the chunking (~15 % of a 500-token
-    prompt's prefill time on an AVX2 CPU)."""
+    attention is then that of its decode, whatever the chunking (its cost against SDPA: see
+    docs/benchmarks.md)."""
     return ops is not reference and q.dtype == torch.float32 and q.device.type == "cpu"
 
 
