@@ -96,32 +96,34 @@ void dense_tokens(const float* x, int64_t k, const float* const g[kGroups], int6
   store_sums<MR>(acc, groups, bias, y, n, n0, m0);
 }
 
-void dense_linear(const float* x, const float* w, const float* bias, float* y, int64_t m,
-                  int64_t n, int64_t k) {
-  const int64_t groups = n / kLanes, tasks = (groups + kGroups - 1) / kGroups;
-  const int64_t passes = (m + kPass - 1) / kPass;
-  // Tasks: (token pass, 32 outputs), pass-major, so a thread's run of tasks shares x's rows.
+// Calls f(tiles, first, here, m0, m1) for every task: token rows [m0, m1) (a pass of at most
+// kPass) against lane tiles [first, first + here) (at most kGroups, each `tile` elements from
+// w; absent ones point at `zeros`). Tasks run pass-major, so a thread's run of tasks shares
+// x's rows.
+template <class T, class F>
+void for_each_task(const T* w, int64_t tile, int64_t groups, int64_t m, const T* zeros, F&& f) {
+  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kPass - 1) / kPass;
   at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> zeros;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
       const int64_t here = std::min(kGroups, groups - first);
-      const float* g[kGroups];
-      for (int64_t j = 0; j < kGroups; ++j) {
-        if (j < here) {
-          g[j] = w + (first + j) * k * kLanes;
-        } else {  // past the last tile: zeros
-          zeros.resize(static_cast<size_t>(k * kLanes), 0.f);
-          g[j] = zeros.data();
-        }
-      }
-      const int64_t end = std::min(m, (pass + 1) * kPass);
-      for (int64_t m0 = pass * kPass; m0 < end; m0 += kTokens) {
-        switch (std::min<int64_t>(kTokens, end - m0)) {
-          case 1: dense_tokens<1>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-          case 2: dense_tokens<2>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-          default: dense_tokens<3>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-        }
+      const T* g[kGroups];
+      for (int64_t j = 0; j < kGroups; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
+      f(g, first, here, pass * kPass, std::min(m, (pass + 1) * kPass));
+    }
+  });
+}
+
+void dense_linear(const float* x, const float* w, const float* bias, float* y, int64_t m,
+                  int64_t n, int64_t k) {
+  const std::vector<float> zeros(static_cast<size_t>(k * kLanes), 0.f);
+  for_each_task(w, k * kLanes, n / kLanes, m, zeros.data(),
+                [&](const float* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
+    for (; m0 < m1; m0 += kTokens) {
+      switch (std::min<int64_t>(kTokens, m1 - m0)) {
+        case 1: dense_tokens<1>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
+        case 2: dense_tokens<2>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
+        default: dense_tokens<3>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
       }
     }
   });
@@ -286,21 +288,16 @@ void in_place(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0,
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = record_format(Type).bytes;
-  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kPass - 1) / kPass;
-  std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
-  at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
-      const int64_t here = std::min(kGroups, groups - first);
-      Records<Type> r{{}, record};
-      for (int64_t j = 0; j < kGroups; ++j)
-        r.first[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
-      const int64_t m0 = pass * kPass, m1 = std::min(m, m0 + kPass);
-      if (m1 - m0 <= kInPlace)
-        in_place<Type>(p, r, here, first * kLanes, m0, m1);
-      else
-        blocks_outer<Type>(p, r, here, first * kLanes, m0, m1, acc);
+  const std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
+  for_each_task(w, p.blocks * record, groups, m, zeros.data(),
+                [&](const uint8_t* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
+    Records<Type> r{{}, record};
+    std::copy(g, g + kGroups, r.first);
+    if (m1 - m0 <= kInPlace) {
+      in_place<Type>(p, r, here, first * kLanes, m0, m1);
+    } else {
+      std::vector<float> acc;
+      blocks_outer<Type>(p, r, here, first * kLanes, m0, m1, acc);
     }
   });
 }
