@@ -352,4 +352,4 @@ def test_token_budget_defaults_depend_on_usage() -> None:
     explicit = parser.parse_args(["serve", "--max-num-batched-tokens", "100"])
     assert server_engine_args(explicit).max_num_batched_tokens == 100
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineArgs(max_num_batched_tokens=0)
+        EngineArgs(max_num_batched_tokens=-1)

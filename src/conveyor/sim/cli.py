@@ -22,7 +22,7 @@ from typing import Any
 
 from conveyor.bench import serve_cli
 from conveyor.bench.metrics import compute_metrics, format_table, parse_goodput
-from conveyor.cli.engine_args import _HELP, add_dataclass_flags, parse_engine_override
+from conveyor.cli.engine_args import add_engine_args, parse_engine_override
 from conveyor.config import EngineArgs
 from conveyor.sim.report import format_summary, result_dict, summarize, write_plots
 from conveyor.sim.setup import COST_MODELS, CostSettings, build_plan, build_requests, resolve_model
@@ -30,7 +30,7 @@ from conveyor.sim.simulator import ROUTING_POLICIES, simulate
 
 # Engine arguments that mean nothing to a simulation, or whose flag means something else here
 # (--device is a device preset, --seed seeds the workload as in `bench serve`).
-_SKIPPED = ("extra", "model", "device", "seed", "tokenizer", "load_format", "served_model_name",
+_SKIPPED = ("model", "device", "seed", "tokenizer", "load_format", "served_model_name",
             "step_trace", "quantized_matmuls", "kv_cache_memory")
 DEFAULT_TIMELINE_REQUESTS = 64
 SWEEP_RATE = "request_rate"
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve_cli.add_load_arguments(parser)
     serve_cli.add_dataset_arguments(parser)
     serve_cli.add_output_arguments(parser)
-    add_dataclass_flags(parser.add_argument_group("engine"), EngineArgs, _HELP, skip=_SKIPPED)
+    add_engine_args(parser, skip=_SKIPPED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,7 +144,7 @@ def _setup(model: SimModel, args: EngineArgs, num_blocks: int, per_token: float)
     budget = args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS
     sched = dataclasses.replace(args, max_num_batched_tokens=budget).scheduler_config(
         model.config.max_position_embeddings)
-    swap = int(args.swap_space * (1 << 30) // (per_token * args.block_size)) \
+    swap = int(args.swap_space // (per_token * args.block_size)) \
         if args.preemption == "swap" else 0
     eos = model.config.eos_token_ids
     if model.tokenizer is not None:
