@@ -193,14 +193,18 @@ def test_written_gguf_round_trips(tmp_path, arch: str, permute: bool) -> None:
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q8_0")])
 def test_quantized_gguf_decodes_from_its_blocks(tmp_path, arch: str, qtype: str) -> None:
     """Block-quantized matrices (q/k permuted for llama, biases for qwen2, an untied LM head):
-    in bf16 every matmul reads its blocks (each checked against its bf16 weight at load). With
+    every matmul reads its blocks (in bf16 each checked against its bf16 weight at load). With
     AMX greedy outputs are the same bits as with the bf16 weights alone; with the AVX512-BF16
-    dot kernels (the exact GGUF weights) the first token's distribution is the same but for
-    the weights' rounding."""
+    dot kernels, or in float32 with the AVX2 kernels (both on the exact GGUF weights, in the
+    factored form d*sum(q*x)), the first token's distribution is the same but for rounding."""
     from conveyor import LLM, SamplingParams, ops
 
-    if not (ops.amx_available() or ops.dot_kernels_available()):
-        pytest.skip("the block matmuls need a CPU with AMX-BF16 or AVX512-BF16")
+    if ops.amx_available() or ops.dot_kernels_available():
+        dtype = "bfloat16"
+    elif ops.f32_kernels_available():
+        dtype = "float32"
+    else:
+        pytest.skip("the block matmuls need a CPU with AMX-BF16, AVX512-BF16 or AVX2+FMA")
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     _write_gguf(path, arch, _tiny_model(arch, tie=False).state_dict(), permute=arch == "llama",
                 qtype=gguf.GGMLQuantizationType[qtype])
@@ -210,7 +214,7 @@ def test_quantized_gguf_decodes_from_its_blocks(tmp_path, arch: str, qtype: str)
               else SamplingParams(temperature=0, max_tokens=1, logprobs=5))
     outputs = {}
     for quantized in (True, False):
-        llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), dtype="bfloat16",
+        llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), dtype=dtype,
                   kv_cache_memory="8MiB", quantized_matmuls=quantized)
         model = llm.engine.runner.model
         linears = [m for m, _ in model.matmul_layers()[:-1]] + [model.lm_head]

@@ -212,8 +212,18 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
         const __m512 s = round16<T>(q);
         store16(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
+#elif defined(CONVEYOR_AVX2)
+      if constexpr (std::is_same_v<T, float>) {  // float32 models on AVX2 CPUs
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + i);
+          const __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+          const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+      }
 #endif
-      for (; i < n; ++i) {
+      for (; i < n; ++i) {  // the columns past the last full vector, the same in every row
         const float gv = to_f(g[i]);
         o[i] = static_cast<T>(round_as<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]));
       }
