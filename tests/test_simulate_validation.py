@@ -16,7 +16,7 @@ from conveyor.bench.datasets import DatasetConfig
 from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 from conveyor.cli import main
 from conveyor.config import EngineArgs
-from conveyor.sim.profile import ProfileGrid, run_profile
+from conveyor.sim.profile import ProfileGrid, ServeGrid, run_profile
 from server_fixtures import start_server
 
 KV = str(4 * TINY_KV_MEMORY)  # 256 blocks of 16 tokens
@@ -33,14 +33,18 @@ def test_simulated_serve_matches_real_serve_on_the_tiny_model(
     model = str(tiny_llama_dir)
     grid = ProfileGrid(batches=(1, 8, 24), context_lens=(32, 96), prefill_tokens=(16, 128),
                        steps=2)
+    serve = ServeGrid(batches=(1, 8, 24), prompt_len=48, output_len=24)
     profile = run_profile(EngineArgs(model=model, dtype="float32", kv_cache_memory=KV,
-                                     max_model_len=512), grid)
+                                     max_model_len=512), grid, serve)
+    assert set(profile.server_coefficients) == {"server_step", "server_token",
+                                                "server_request"}
+    print("server terms:", profile.server_coefficients, profile.server_samples)
     path = tmp_path / "profile.json"
     profile.save(path)
 
     assert main(["simulate", "--cost-model", "measured", "--profile", str(path),
                  "--model", model, "--kv-cache-memory", KV, "--max-model-len", "512",
-                 *WORKLOAD, "--json"]) == 0
+                 *WORKLOAD, "--ignore-eos", "--json"]) == 0
     simulated = json.loads(capsys.readouterr().out)
     server = start_server("--model", model, "--dtype", "float32", "--kv-cache-memory", KV,
                           "--max-model-len", "512")
