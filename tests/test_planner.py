@@ -14,7 +14,16 @@ import pytest
 
 from conveyor.planner import cli
 from conveyor.planner.models import resolve_model
-from conveyor.planner.plan import CapacityPlan, DeviceSpec, decode_bound, dtype_bytes, plan_capacity
+from conveyor.planner.plan import (
+    ALLREDUCE_LATENCY_S,
+    CapacityPlan,
+    DeviceSpec,
+    allreduce_time,
+    decode_bound,
+    dtype_bytes,
+    plan_capacity,
+    plan_parallel,
+)
 from conveyor.planner.presets import DEVICE_PRESETS, MODEL_PRESETS, device_preset, model_preset
 
 A100_80 = device_preset("A100-80GB")
@@ -263,3 +272,67 @@ def test_measure_this_machine_is_positive_and_quick() -> None:
     assert measure.total_memory_bytes() > 2**30
     assert measure.memory_bandwidth_bytes_per_s(budget_s=0.01) > 1e8
     assert measure.matmul_flops_per_s(budget_s=0.01) > 1e8
+
+
+# ---------------------------------------------------------------- --tensor-parallel-size, --replicas
+def test_parallel_plan_by_hand_70b_tp2_times_three_replicas() -> None:
+    config = model_preset("llama-2-70b")
+    two = plan_capacity(config, A100_80, FP16, FP16, 1000, 16, RESERVE, tp=2)
+    par = plan_parallel(config, two, FP16, 3, "nvlink3", 300e9)
+    # One all-reduce sends 2 (N-1)/N x hidden x bytes per token: 2 x 1/2 x 8192 x 2 B.
+    assert par.allreduce_bytes_per_token_per_layer == 16_384
+    comm = 2 * 80 * (16_384 * 16 / 300e9 + ALLREDUCE_LATENCY_S)
+    assert par.allreduce_time_s == pytest.approx(comm, rel=1e-12)
+    assert par.decode_step_s == pytest.approx(two.decode.step_time_s + comm, rel=1e-12)
+    assert par.tokens_per_s_per_replica == pytest.approx(16 / (two.decode.step_time_s + comm))
+    assert par.tokens_per_s_total == pytest.approx(3 * par.tokens_per_s_per_replica)
+    assert par.tokens_per_s_per_replica < two.decode.tokens_per_s  # the link is not free
+    assert (par.kv_tokens_per_replica, par.seqs_per_replica) == (two.kv_tokens,
+                                                                 two.max_concurrent_seqs)
+    assert par.seqs_total == 3 * two.max_concurrent_seqs and par.num_devices == 6
+    # PCIe moves the same bytes ~9x slower than NVLink 3 (each all-reduce's 10 us latency
+    # is the same): the all-reduce costs more, decode gets slower.
+    pcie = plan_parallel(config, two, FP16, 3, "pcie4", 32e9)
+    assert pcie.allreduce_time_s == pytest.approx(2 * 80 * (16_384 * 16 / 32e9 + 10e-6))
+    assert pcie.tokens_per_s_total < par.tokens_per_s_total
+    # One device: no all-reduce; the roofline alone.
+    one = plan_parallel(config, plan_capacity(config, device_preset("H200"), FP16, FP16, 1000,
+                                              16, RESERVE), FP16, 2, "nvlink4", 450e9)
+    assert one.allreduce_time_s == 0 and one.allreduce_bytes_per_token_per_layer == 0
+
+
+def test_simulator_prices_the_planners_all_reduce() -> None:
+    from conveyor.sim.cost import RooflineCost
+
+    config = model_preset("llama-3-70b")
+    cost = RooflineCost(config, A100_80, tp=4, link_bytes_per_s=32e9)
+    assert cost.allreduce_time(64) == allreduce_time(config, 4, 2, 64, 32e9) > 0
+
+
+def test_cli_tensor_parallel_and_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--model", "llama-2-70b", "--device", "A100-80GB", "--batch", "16"]
+    assert cli.main([*flags, "--tensor-parallel-size", "2", "--replicas", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    par = out["parallel"]
+    assert (par["tp"], par["replicas"], par["link"]) == (2, 3, "nvlink3")
+    assert par["seqs_total"] == 3 * out["max_concurrent_seqs"] > 0
+    assert cli.main([*flags, "--tp", "2", "--replicas", "2", "--link", "PCIe4"]) == 0
+    table = capsys.readouterr().out
+    assert "2 x 2 = 4 x A100-80GB" in table and "pcie4, 32 GB/s" in table
+    assert "decode bound, all replicas" in table and "16,384 B" in table
+    assert cli.main([*flags, "--tp", "2", "--link-gbs", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallel"]["link"] == "custom"
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--replicas", "0"], "--replicas"),
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),  # 64 heads
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--link", "ethernet"], "--link: unknown preset 'ethernet'; known: nvlink3"),
+    (["--link-gbs", "0"], "--link-gbs"),
+    (["--link", "pcie4", "--link-gbs", "10"], "--link and --link-gbs"),
+])
+def test_cli_parallel_bad_input_names_the_flag(capsys: pytest.CaptureFixture[str],
+                                               extra: list[str], flag: str) -> None:
+    assert cli.main(["--model", "llama-2-70b", "--device", "A100-80GB", *extra]) == 2
+    assert flag in capsys.readouterr().err

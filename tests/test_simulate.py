@@ -4,6 +4,7 @@ test_simulate_validation.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -26,7 +27,7 @@ from conveyor.sim.cost import (
     term_values,
 )
 from conveyor.sim.report import result_dict, summarize
-from conveyor.sim.simulator import SimRequest, SimSetup, arrival_times, simulate
+from conveyor.sim.simulator import SimRequest, SimRun, SimSetup, arrival_times, simulate
 
 LLAMA2_7B = model_preset("llama-2-7b")
 A100 = device_preset("A100-80GB")
@@ -119,6 +120,8 @@ def _setup(num_blocks: int = 64, block_size: int = 4, **sched: object) -> SimSet
 
 class FixedCost:
     """1 ms per step plus 0.1 ms per token: easy to reason about."""
+
+    request_time_s = 0.0
 
     def step_time(self, shape: StepShape) -> float:
         return 0.001 + 0.0001 * shape.num_tokens if shape.num_seqs else 0.0
@@ -255,3 +258,139 @@ def test_cli_replicas_table_and_plots(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "L4 x2" in out
     for name in ("simulate_timeline.png", "simulate_kv_usage.png", "simulate_queue.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------- client load
+def _in_flight_peak(run: SimRun) -> int:
+    return compute_metrics(run.records, run.duration_s).peak_concurrency
+
+
+def test_max_concurrency_holds_requests_at_the_client() -> None:
+    requests = _requests(6, prompt=8, output=5)
+    run = simulate(_setup(), FixedCost(), requests, max_concurrency=2)
+    assert all(r.success and r.output_tokens == 5 for r in run.records)
+    assert _in_flight_peak(run) == 2
+    first_two_end = sorted(r.record.end_time for r in run.requests[:2])
+    # The third is sent when the first slot frees; its TTFT counts from then, as the
+    # client times it (bench serve starts the clock after the semaphore).
+    third = run.requests[2]
+    assert third.sent == pytest.approx(first_two_end[0]) and third.sent > third.arrival
+    assert third.record.start_time == third.sent
+    assert third.record.ttft < 0.01
+    unlimited = simulate(_setup(), FixedCost(), _requests(6, prompt=8, output=5))
+    assert _in_flight_peak(unlimited) == 6
+    assert run.duration_s > unlimited.duration_s
+    with pytest.raises(ValueError, match="--max-concurrency"):
+        simulate(_setup(), FixedCost(), _requests(2, 8, 5), max_concurrency=0)
+
+
+def test_aborted_streams_end_in_the_engine_and_are_counted_apart() -> None:
+    requests = _requests(4, prompt=8, output=10)
+    requests[1].abort_after = 3  # after its third token
+    requests[2].abort_after = 0  # as soon as the response starts: never scheduled
+    run = simulate(_setup(), FixedCost(), requests)
+    ok, cut, at_once, _ = run.records
+    assert ok.success and ok.output_tokens == 10
+    assert cut.aborted and not cut.success and len(cut.itl) == 2 and cut.ttft > 0
+    assert at_once.aborted and at_once.ttft == 0.0
+    stats = run.replicas[0].scheduler.stats
+    assert stats.num_steps == 10  # the others' 10 tokens; the cut one freed its blocks
+    metrics = compute_metrics(run.records, run.duration_s)
+    assert (metrics.completed, metrics.aborted, metrics.failed) == (2, 2, 0)
+    assert metrics.total_output_tokens == 20
+
+
+def test_requests_end_at_eos_before_max_tokens() -> None:
+    requests = [SimRequest("a", 0.0, list(range(200, 210)), 10, eos_at=(4,)),
+                SimRequest("b", 0.0, list(range(300, 310)), 10, eos_at=(25,)),
+                SimRequest("c", 0.0, list(range(400, 410)), 10)]
+    for setup in (_setup(), dataclasses.replace(_setup(), eos_token_ids=())):
+        run = simulate(setup, FixedCost(), requests)  # with a model EOS, or a stop token
+        assert [r.output_tokens for r in run.records] == [4, 10, 10]
+    with pytest.raises(ValueError, match="one length per sample"):
+        SimRequest("x", 0.0, [1, 2], 5, eos_at=(1, 2), n=3)
+
+
+def test_eos_positions_are_drawn_from_the_datasets_output_lengths() -> None:
+    from conveyor.bench.datasets import DatasetConfig
+    from conveyor.sim.setup import ClientLoad, SimModel, build_requests
+
+    model = SimModel("llama-2-7b", LLAMA2_7B)
+    dataset = DatasetConfig(name="skewed", num_prompts=200, seed=5)
+    eos = build_requests(dataset, model, math.inf, 1.0, 5)
+    again = build_requests(dataset, model, math.inf, 1.0, 5)
+    assert [r.eos_at for r in eos] == [r.eos_at for r in again]  # seeded
+    lengths = {r.output_len for r in eos}
+    assert all(len(r.eos_at) == 1 and r.eos_at[0] in lengths for r in eos)
+    assert any(r.eos_at[0] < r.output_len for r in eos)  # some end early, at EOS
+    plain = build_requests(dataset, model, math.inf, 1.0, 5, ClientLoad(ignore_eos=True))
+    assert all(r.eos_at == () for r in plain)
+    many = build_requests(dataset, model, math.inf, 1.0, 5, ClientLoad(n=3, abort_fraction=0.1))
+    assert all(r.n == 3 and len(r.eos_at) == 3 for r in many)
+    assert sum(r.abort_after is not None for r in many) == 20
+    for bad, flag in (({"n": 0}, "--n"), ({"abort_fraction": 1.5}, "--abort-fraction"),
+                      ({"max_concurrency": 0}, "--max-concurrency")):
+        with pytest.raises(ValueError, match=flag):
+            ClientLoad(**bad)  # type: ignore[arg-type]
+
+
+def test_parallel_samples_share_the_prompts_blocks() -> None:
+    # 40 prompt tokens = 10 blocks of 4; 3 samples of 6 tokens need 2 more blocks each.
+    def run_with(caching: bool) -> SimRun:
+        setup = dataclasses.replace(_setup(num_blocks=64), enable_prefix_caching=caching)
+        request = SimRequest("r", 0.0, list(range(500, 540)), 6, n=3)
+        return simulate(setup, FixedCost(), [request])
+
+    shared, apart = run_with(True), run_with(False)
+    for run in (shared, apart):
+        record = run.records[0]
+        assert record.success and record.output_tokens == 18  # usage counts every sample
+    peak = [max(s.kv_blocks_used for s in r.replicas[0].samples) for r in (shared, apart)]
+    # Shared: the prompt's blocks once, plus each sample's own (decode, and the last prompt
+    # block a cache hit recomputes); apart: the prompt's 10 blocks three times.
+    assert peak[0] <= 10 + 3 * 3 < 3 * 10 <= peak[1]
+    # The samples wait for the first to compute the prompt, as in the engine.
+    assert shared.records[0].ttft == pytest.approx(0.001 + 0.0001 * 40)
+
+
+def test_cli_client_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--model", "llama-3-8b", "--device", "H100-80GB", "--dataset", "skewed",
+            "--num-prompts", "80", "--json", "--max-concurrency", "8", "--n", "2",
+            "--abort-fraction", "0.25", "--ignore-eos"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["max_concurrency"], data["ignore_eos"], data["abort_fraction"]) == (8, True,
+                                                                                     0.25)
+    assert data["aborted"] == 20 and data["completed"] == 60
+    assert data["max_concurrent_requests"] == 8 and data["simulation"]["samples_per_request"] == 2
+    assert main(args[:-1] + ["--n", "0"]) == 2
+    assert "--n must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- server terms
+def test_measured_cost_prices_the_servers_tokens_and_requests() -> None:
+    server = {"server_step": 0.0005, "server_token": 0.0002, "server_request": 0.003}
+    cost = MeasuredCost(_profile(server_coefficients=server))
+    shape = StepShape(num_seqs=4, num_decode=4, num_sampled=4)
+    assert cost.step_time(shape) == pytest.approx(cost.engine_step_time(shape)
+                                                  + 0.0005 + 4 * 0.0002)
+    assert cost.request_time_s == 0.003
+    assert MeasuredCost(_profile()).request_time_s == 0.0
+    # The server's front end takes requests one at a time before the engine sees them.
+    run = simulate(_setup(), cost, _requests(3, prompt=8, output=2))
+    assert [r.admit_at for r in run.requests] == pytest.approx([0.003, 0.006, 0.009])
+    assert run.records[2].ttft > 0.009
+
+
+def test_fit_server_terms_recovers_step_and_token_costs() -> None:
+    from conveyor.sim.cost import ServeRun, fit_server_terms
+
+    runs = [ServeRun(b, 0.010 + 0.002 + 0.0004 * b + 0.004 if b == 1 else 0.05,
+                      0.003 + 0.002 + 0.0004 * b, 0.010, 0.003) for b in (1, 8, 32)]
+    terms = fit_server_terms(runs)
+    assert terms["server_step"] == pytest.approx(0.002)
+    assert terms["server_token"] == pytest.approx(0.0004)
+    assert terms["server_request"] == pytest.approx(0.004)
+    # A server faster than the engine-only prediction gets no negative cost.
+    fast = [ServeRun(b, 0.001, 0.001, 0.010, 0.003) for b in (1, 8)]
+    assert min(fit_server_terms(fast).values()) == 0.0

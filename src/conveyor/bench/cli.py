@@ -210,16 +210,23 @@ def _register_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[32, 128, 512],
                    help="prompt tokens computed alongside the decodes")
     p.add_argument("--steps", type=int, default=3, help="timed decode steps per point")
+    p.add_argument("--serve-batches", type=int, nargs="+", default=[1, 8, 32],
+                   help="the server's terms: streamed requests sent at once through a short "
+                        "real `conveyor serve` run (1: lone requests)")
+    p.add_argument("--no-serve", action="store_true",
+                   help="time the engine only (no server terms: `simulate` then predicts "
+                        "an engine without its HTTP server's per-token work)")
     add_engine_args(p)
     p.set_defaults(func=run_profile_cmd)
 
 
 def run_profile_cmd(args: argparse.Namespace) -> int:
-    from conveyor.sim.profile import ProfileGrid, format_profile, run_profile
+    from conveyor.sim.profile import ProfileGrid, ServeGrid, format_profile, run_profile
 
     grid = ProfileGrid(batches=tuple(args.batches), context_lens=tuple(args.context_lens),
                        prefill_tokens=tuple(args.prefill_tokens), steps=args.steps)
-    profile = run_profile(engine_args_from(args), grid)
+    serve = None if args.no_serve else ServeGrid(batches=tuple(args.serve_batches))
+    profile = run_profile(engine_args_from(args), grid, serve)
     profile.save(args.output)
     print(format_profile(profile, args.output))
     return 0

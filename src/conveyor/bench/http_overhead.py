@@ -9,6 +9,7 @@ their ratio, and the offline mean step time beside the online inter-token latenc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -67,6 +69,27 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
     raise RuntimeError("conveyor serve did not become healthy in time")
 
 
+@contextlib.contextmanager
+def serve_subprocess(args: EngineArgs, *flags: str,
+                     log_level: str | None = "WARNING") -> Iterator[str]:
+    """`conveyor serve` with `args` (and extra serve `flags`) on a free loopback port, its
+    output in a temporary file; yields its URL once healthy, stops it on exit.
+    `log_level` None: the server's default logging, as a plain `conveyor serve`."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    level = ["--log-level", log_level] if log_level else []
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", *level, "serve",
+                                 "--port", str(port), *flags, *_engine_flags(args)],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, url)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
 def run_http_overhead(args: EngineArgs, workload: Workload) -> dict[str, Any]:
     # Both runs use the same token budget: the server's default unless one is given.
     args = dataclasses.replace(args, max_num_batched_tokens=args.max_num_batched_tokens
@@ -78,22 +101,12 @@ def run_http_overhead(args: EngineArgs, workload: Workload) -> dict[str, Any]:
     del llm
     gc.collect()
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "--log-level", "WARNING",
-                                 "serve", "--port", str(port), *_engine_flags(args)],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(proc, url)
-            dataset = DatasetConfig(name="reference", num_prompts=workload.num_requests,
-                                    seed=workload.seed)
-            config = BenchmarkConfig(base_url=url, dataset=dataset, ignore_eos=True,
-                                     show_progress=False)
-            online = asyncio.run(run_benchmark(config, workload_requests(workload, vocab_size)))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with serve_subprocess(args) as url:
+        dataset = DatasetConfig(name="reference", num_prompts=workload.num_requests,
+                                seed=workload.seed)
+        config = BenchmarkConfig(base_url=url, dataset=dataset, ignore_eos=True,
+                                 show_progress=False)
+        online = asyncio.run(run_benchmark(config, workload_requests(workload, vocab_size)))
     m = online.metrics
     return {
         "offline_output_tokens_per_s": offline.output_tokens_per_s,

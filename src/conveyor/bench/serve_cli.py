@@ -38,14 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
 
     load = add_load_arguments(parser)
-    load.add_argument("--max-concurrency", type=int, default=None,
-                      help="most requests in flight at once (default: unlimited)")
-    load.add_argument("--ignore-eos", action="store_true",
-                      help="send ignore_eos: true, so every request generates max_tokens")
+    add_client_arguments(load)
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--abort-fraction", type=float, default=0.0,
-                      help="cancel this share of the streams after a random number of chunks "
-                           "(seeded; counted apart, out of the latencies): a soak with aborts")
     add_dataset_arguments(parser)
     add_output_arguments(parser)
 
@@ -60,6 +54,19 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> Any:
                       help="gamma shape of arrival gaps: 1.0 = Poisson, <1 burstier")
     load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
     return load
+
+
+def add_client_arguments(load: Any) -> None:
+    """The client flags `bench serve` and `conveyor simulate` share besides the arrivals."""
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight at once (default: unlimited)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="send ignore_eos: true, so every request generates max_tokens "
+                           "(simulate: without it, each request ends at an EOS whose position "
+                           "is drawn from the dataset's output lengths)")
+    load.add_argument("--abort-fraction", type=float, default=0.0,
+                      help="cancel this share of the streams after a random number of chunks "
+                           "(seeded; counted apart, out of the latencies): a soak with aborts")
 
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:

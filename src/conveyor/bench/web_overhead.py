@@ -25,9 +25,6 @@ import contextlib
 import json
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -37,7 +34,7 @@ from typing import Any
 import httpx
 
 from conveyor.bench.datasets import DatasetConfig, sample_requests
-from conveyor.bench.http_overhead import _engine_flags, _free_port, _wait_healthy
+from conveyor.bench.http_overhead import serve_subprocess
 from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 from conveyor.config import EngineArgs
 
@@ -218,18 +215,8 @@ def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
 def run_web_overhead(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
     if config.mode == "cost":
         return run_web_cost(args, config)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "--log-level", "WARNING",
-                                 "serve", "--port", str(port), "--disable-log-requests",
-                                 *_engine_flags(args)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(proc, url)
-            pairs = asyncio.run(_rounds(url, config))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with serve_subprocess(args, "--disable-log-requests") as url:
+        pairs = asyncio.run(_rounds(url, config))
     ratios = [w / u for w, u in pairs]
     return {"mode": "ab", "watcher": config.watcher, "num_requests": config.num_requests,
             "watched_output_tokens_per_s": [w for w, _ in pairs],

@@ -13,8 +13,25 @@ from typing import Any
 
 from conveyor.config import ModelConfig
 from conveyor.planner.models import resolve_model
-from conveyor.planner.plan import DTYPE_BYTES, CapacityPlan, DeviceSpec, dtype_bytes, plan_capacity
-from conveyor.planner.presets import DEVICE_PRESETS, GB, MODEL_PRESETS, TFLOP, device_preset
+from conveyor.planner.plan import (
+    DTYPE_BYTES,
+    CapacityPlan,
+    DeviceSpec,
+    ParallelPlan,
+    dtype_bytes,
+    plan_capacity,
+    plan_parallel,
+)
+from conveyor.planner.presets import (
+    DEVICE_PRESETS,
+    GB,
+    LINK_PRESETS,
+    MODEL_PRESETS,
+    TFLOP,
+    default_link_name,
+    device_preset,
+    link_preset,
+)
 
 DEFAULT_ACTIVATION_RESERVE = "5%"  # of device memory: 4 GB on an 80 GB device
 DEFAULT_SEQ_LEN = 1000
@@ -24,7 +41,10 @@ _HELP = """\
 Plan KV-cache capacity: weight memory, KV bytes per token, the KV tokens and concurrent
 sequences that fit after the weights and an activation reserve, the device's ops:byte
 ratio, the decode tokens/s roofline at --batch, the batch where decode turns
-compute-bound, and the fewest tensor-parallel devices that hold the model.
+compute-bound, and the fewest tensor-parallel devices that hold the model. With
+--tensor-parallel-size N and/or --replicas R: KV tokens and sequences per replica, the
+all-reduce cost per decode step over the link (--link), and decode tokens/s per replica
+and over all replicas.
 Sizes are decimal: 1 GB = 1e9 bytes, as device datasheets quote them."""
 
 
@@ -75,8 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runtime: a fraction (0.05), a percentage (5%%) or GB (6GB); a "
                              "bare number >= 1 is GB (default 5%%: 4 GB of an 80 GB A100, "
                              "leaving Llama-2-7B fp16 ~62 GB = ~119k tokens of KV)")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel devices to plan for, a power of two (default 1)")
+    parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
+                        help="devices one model copy is split over; must divide the attention "
+                             "heads (default 1)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="model copies (each on --tensor-parallel-size devices): totals "
+                             "are per replica times this (default 1)")
+    parser.add_argument("--link", default=None,
+                        help="device-to-device link for the all-reduces: "
+                             + ", ".join(LINK_PRESETS) + " (default: the device's usual one, "
+                             "pcie4 when unknown)")
+    parser.add_argument("--link-gbs", type=float, default=None,
+                        help="link bandwidth in GB/s, one direction (instead of --link)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the table")
 
@@ -112,6 +142,18 @@ def resolve_device(args: argparse.Namespace) -> DeviceSpec:
     return dataclasses.replace(device, **given) if given else device
 
 
+def resolve_link(args: argparse.Namespace, device: DeviceSpec) -> tuple[str, float]:
+    """The all-reduce link: (name, bytes/s) from --link-gbs, --link, or the device's."""
+    if args.link_gbs is not None:
+        if args.link is not None:
+            raise ValueError("--link and --link-gbs both given: give one")
+        if not args.link_gbs > 0:
+            raise ValueError(f"--link-gbs must be > 0, got {args.link_gbs!r}")
+        return "custom", args.link_gbs * GB
+    name = args.link or default_link_name(device.name)
+    return name.lower(), link_preset(name)
+
+
 def _gb(num_bytes: float) -> str:
     return f"{num_bytes / GB:,.2f} GB"
 
@@ -124,8 +166,37 @@ def _decode_line(plan: CapacityPlan, which: str) -> str:
             f"{bound.step_time_s * 1e3:.2f} ms, {bound.bound}-bound)")
 
 
+def _tok_s(value: float | None) -> str:
+    return "no sequence fits" if value is None else f"{value:,.0f} tok/s"
+
+
+def parallel_rows(config: ModelConfig, device: DeviceSpec, dtype: str, plan: CapacityPlan,
+                  par: ParallelPlan) -> list[tuple[str, str]]:
+    """The table's rows for --tensor-parallel-size and --replicas."""
+    ar = par.allreduce_bytes_per_token_per_layer
+    return [
+        ("replicas x tensor parallel", f"{par.replicas} x {par.tp} = {par.num_devices} x "
+         f"{device.name}"),
+        ("KV tokens per replica", f"{par.kv_tokens_per_replica:,}  ({par.seqs_per_replica:,} "
+         f"sequences of {plan.seq_len:,} tokens; {par.seqs_total:,} in all)"),
+        ("all-reduce link", f"{par.link}, {par.link_bytes_per_s / GB:,.0f} GB/s one direction"),
+        ("all-reduce per token", f"{par.allreduces_per_layer} x {config.num_hidden_layers} "
+         f"layers x {ar:,.0f} B  (2 x ({par.tp}-1)/{par.tp} x {config.hidden_size} hidden x "
+         f"{dtype_bytes(dtype)} B ({dtype}) per all-reduce)"),
+        ("all-reduce per decode step", f"{par.allreduce_time_s * 1e3:.3f} ms at batch "
+         f"{plan.decode.batch}" + ("" if par.allreduce_time_at_max_s is None else
+                                   f"; {par.allreduce_time_at_max_s * 1e3:.3f} ms with the KV "
+                                   "full")),
+        ("decode bound per replica", f"{_tok_s(par.tokens_per_s_per_replica)}  (batch "
+         f"{plan.decode.batch}, step {par.decode_step_s * 1e3:.2f} ms with the all-reduce)"),
+        ("decode bound, all replicas", _tok_s(par.tokens_per_s_total)),
+        ("  with the KV full", f"{_tok_s(par.tokens_per_s_per_replica_at_max)} per replica, "
+         f"{_tok_s(par.tokens_per_s_total_at_max)} in all"),
+    ]
+
+
 def format_table(name: str, config: ModelConfig, device: DeviceSpec, dtype: str,
-                 kv_dtype: str, plan: CapacityPlan) -> str:
+                 kv_dtype: str, plan: CapacityPlan, par: ParallelPlan | None = None) -> str:
     """The plan as an aligned, human-readable table (GB = 1e9 bytes)."""
     per_dev = " per device" if plan.tp > 1 else ""
     heads = -(-config.num_key_value_heads // plan.tp)
@@ -160,6 +231,7 @@ def format_table(name: str, config: ModelConfig, device: DeviceSpec, dtype: str,
         ("decode bound, KV full", _decode_line(plan, "max")),
         ("compute-bound from batch", crossover),
         ("tensor parallel needed", tp_line),
+        *(parallel_rows(config, device, dtype, plan, par) if par is not None else []),
     ]
     width = max(len(label) for label, _ in rows)
     header = (f"{name} on {plan.tp} x {device.name}: {_gb(device.memory_bytes)}, "
@@ -169,10 +241,12 @@ def format_table(name: str, config: ModelConfig, device: DeviceSpec, dtype: str,
 
 
 def to_json(name: str, device: DeviceSpec, dtype: str, kv_dtype: str,
-            plan: CapacityPlan) -> dict[str, Any]:
-    """The plan as one JSON-ready dict: inputs first, then every ``CapacityPlan`` field."""
+            plan: CapacityPlan, par: ParallelPlan | None = None) -> dict[str, Any]:
+    """The plan as one JSON-ready dict: inputs first, then every ``CapacityPlan`` field,
+    and the ``ParallelPlan`` under "parallel"."""
     return {"model": name, "device": dataclasses.asdict(device), "dtype": dtype,
-            "kv_dtype": kv_dtype, **dataclasses.asdict(plan)}
+            "kv_dtype": kv_dtype, **dataclasses.asdict(plan),
+            "parallel": None if par is None else dataclasses.asdict(par)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,13 +259,17 @@ def run(args: argparse.Namespace) -> int:
                              dtype_bytes(kv_dtype, "--kv-dtype"), args.seq_len, args.batch,
                              parse_activation_reserve(str(args.activation_reserve)),
                              tp=args.tp)
+        link, link_bytes = resolve_link(args, device)
+        par = plan_parallel(config, plan, dtype_bytes(args.dtype), args.replicas, link,
+                            link_bytes)
     except ValueError as err:
         print(f"conveyor plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(to_json(name, device, args.dtype, kv_dtype, plan), indent=2))
+        print(json.dumps(to_json(name, device, args.dtype, kv_dtype, plan, par), indent=2))
     else:
-        print(format_table(name, config, device, args.dtype, kv_dtype, plan))
+        shown = par if args.tp > 1 or args.replicas > 1 else None
+        print(format_table(name, config, device, args.dtype, kv_dtype, plan, shown))
     return 0
 
 

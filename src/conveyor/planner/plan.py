@@ -12,8 +12,11 @@ of every running sequence, and does ``2 * num_parameters`` FLOPs per sequence:
 
 Setting the two equal gives the batch where decode turns compute-bound; when the KV term is
 small it is ``ops_per_byte * dtype_bytes / 2``, i.e. the device's ops:byte ratio in fp16.
-Tensor parallelism over ``tp`` devices is modelled as ideal (no communication cost): each
-device holds ``1/tp`` of the weights and ``ceil(num_kv_heads / tp)`` KV heads.
+Tensor parallelism over ``tp`` devices: each device holds ``1/tp`` of the weights and
+``ceil(num_kv_heads / tp)`` KV heads (``CapacityPlan`` is that roofline alone); every layer
+adds two ring all-reduces of the step's hidden states over the device link, in which each
+device sends ``2 (tp - 1) / tp * hidden_size * dtype_bytes`` per token
+(``allreduce_time``; ``plan_parallel`` adds it to the decode step, for ``replicas`` copies).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ DTYPE_BYTES: dict[str, int] = {
 
 # The largest tensor-parallel degree min_tp searches before giving up.
 MAX_TP = 1024
+# Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
+ALLREDUCE_LATENCY_S = 10e-6
+# All-reduces per layer under tensor parallelism: after attention (o_proj) and after the MLP.
+ALLREDUCES_PER_LAYER = 2
 
 
 def dtype_bytes(name: str, flag: str = "--dtype") -> int:
@@ -105,7 +112,9 @@ class CapacityPlan:
     min_tp_divides_kv_heads: bool  # min_tp splits the KV heads evenly (no replication)
 
 
-def _reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
+def reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
+    """Device memory held back from the KV cache: ``activation_reserve`` is a fraction of
+    memory below 1, else bytes; ValueError naming --activation-reserve when negative."""
     if activation_reserve < 0:
         raise ValueError(f"--activation-reserve must be >= 0, got {activation_reserve!r}")
     # Below 1 it is a fraction of device memory; from 1 up it is bytes (a 1-byte reserve is
@@ -169,7 +178,7 @@ def min_tensor_parallel(config: ModelConfig, device: DeviceSpec, dtype_bytes: in
                         kv_dtype_bytes: int, seq_len: int, batch: int,
                         activation_reserve: float) -> int | None:
     """Fewest devices (a power of two) that hold the weights plus ``batch`` sequences' KV."""
-    reserve = _reserve_bytes(device, activation_reserve)
+    reserve = reserve_bytes(device, activation_reserve)
     weight_bytes = config.num_parameters() * dtype_bytes
     tp = 1
     while tp <= MAX_TP:
@@ -180,14 +189,40 @@ def min_tensor_parallel(config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     return None
 
 
-def _validate(dtype_bytes: int, kv_dtype_bytes: int, seq_len: int, batch: int,
-              tp: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tp: int,
+                          flag: str = "--tensor-parallel-size (--tp)") -> None:
+    """ValueError naming `flag` unless `tp` >= 1 divides the attention heads (each device
+    holds whole heads; KV heads are split, or replicated when tp exceeds them)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{flag} must be an integer >= 1, got {tp!r}")
+    if config.num_attention_heads % tp:
+        raise ValueError(f"{flag} must divide the model's {config.num_attention_heads} "
+                         f"attention heads, got {tp}")
+
+
+def allreduce_bytes_per_token(config: ModelConfig, tp: int, dtype_bytes: int) -> float:
+    """Bytes one device sends per token in one ring all-reduce of the hidden state:
+    2 (tp - 1) / tp * hidden_size * dtype_bytes (0 on one device)."""
+    return 2 * (tp - 1) / tp * config.hidden_size * dtype_bytes
+
+
+def allreduce_time(config: ModelConfig, tp: int, dtype_bytes: int, num_tokens: int,
+                   link_bytes_per_s: float) -> float:
+    """Seconds a step of `num_tokens` spends in all-reduces: ALLREDUCES_PER_LAYER per layer,
+    each its bytes over the link plus ALLREDUCE_LATENCY_S (0 on one device)."""
+    if tp == 1:
+        return 0.0
+    one = (allreduce_bytes_per_token(config, tp, dtype_bytes) * num_tokens / link_bytes_per_s
+           + ALLREDUCE_LATENCY_S)
+    return ALLREDUCES_PER_LAYER * config.num_hidden_layers * one
+
+
+def _validate(dtype_bytes: int, kv_dtype_bytes: int, seq_len: int, batch: int) -> None:
     checks = (
         (dtype_bytes > 0, "--dtype", "bytes per weight > 0", dtype_bytes),
         (kv_dtype_bytes > 0, "--kv-dtype", "bytes per KV element > 0", kv_dtype_bytes),
         (seq_len >= 1, "--seq-len", ">= 1", seq_len),
         (batch >= 1, "--batch", ">= 1", batch),
-        (tp >= 1 and tp & (tp - 1) == 0, "--tp", "a power of two >= 1", tp),
     )
     for ok, flag, allowed, value in checks:
         if not ok:
@@ -202,9 +237,10 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     ``activation_reserve`` is a fraction of device memory when below 1, else bytes; it is
     held back on every device for activations, workspace and the runtime.
     """
-    _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch, tp)
+    _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch)
+    check_tensor_parallel(model_config, tp)
     config = model_config
-    reserve = _reserve_bytes(device, activation_reserve)
+    reserve = reserve_bytes(device, activation_reserve)
     params = config.num_parameters()
     weight_bytes = params * dtype_bytes
     budget = _kv_budget(device, weight_bytes, reserve, tp)
@@ -237,3 +273,57 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
         min_tp_divides_kv_heads=(min_tp is not None
                                  and config.num_key_value_heads % min_tp == 0),
     )
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """`replicas` copies of a `tp`-device tensor-parallel group: capacity per replica, the
+    all-reduce cost per decode step over the link, decode bounds per replica and in total."""
+
+    tp: int
+    replicas: int
+    num_devices: int  # tp x replicas
+    link: str  # the link preset's name, or "custom"
+    link_bytes_per_s: float  # one direction, per device
+    allreduce_bytes_per_token_per_layer: float  # one all-reduce, sent per device
+    allreduces_per_layer: int
+    kv_tokens_per_replica: int
+    seqs_per_replica: int  # of seq_len tokens
+    seqs_total: int
+    allreduce_time_s: float  # per decode step at --batch, all layers
+    decode_step_s: float  # roofline step + all-reduce, at --batch
+    tokens_per_s_per_replica: float  # at --batch
+    tokens_per_s_total: float
+    allreduce_time_at_max_s: float | None  # the same with the KV full; None: nothing fits
+    tokens_per_s_per_replica_at_max: float | None
+    tokens_per_s_total_at_max: float | None
+
+
+def plan_parallel(config: ModelConfig, capacity: CapacityPlan, dtype_bytes: int,
+                  replicas: int, link: str, link_bytes_per_s: float) -> ParallelPlan:
+    """`capacity` (one tensor-parallel group) with its all-reduces, times `replicas`."""
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"--replicas must be an integer >= 1, got {replicas!r}")
+    if not link_bytes_per_s > 0:
+        raise ValueError(f"--link-gbs must be > 0, got {link_bytes_per_s / 1e9!r}")
+    tp = capacity.tp
+
+    def with_allreduce(bound: DecodeBound) -> tuple[float, float]:
+        comm = allreduce_time(config, tp, dtype_bytes, bound.batch, link_bytes_per_s)
+        return comm, bound.batch / (bound.step_time_s + comm)
+
+    comm, per_replica = with_allreduce(capacity.decode)
+    at_max = capacity.decode_at_max_concurrency
+    comm_max, per_replica_max = with_allreduce(at_max) if at_max is not None else (None, None)
+    return ParallelPlan(
+        tp=tp, replicas=replicas, num_devices=tp * replicas, link=link,
+        link_bytes_per_s=link_bytes_per_s,
+        allreduce_bytes_per_token_per_layer=allreduce_bytes_per_token(config, tp, dtype_bytes),
+        allreduces_per_layer=ALLREDUCES_PER_LAYER,
+        kv_tokens_per_replica=capacity.kv_tokens, seqs_per_replica=capacity.max_concurrent_seqs,
+        seqs_total=capacity.max_concurrent_seqs * replicas,
+        allreduce_time_s=comm, decode_step_s=capacity.decode.step_time_s + comm,
+        tokens_per_s_per_replica=per_replica, tokens_per_s_total=per_replica * replicas,
+        allreduce_time_at_max_s=comm_max, tokens_per_s_per_replica_at_max=per_replica_max,
+        tokens_per_s_total_at_max=None if per_replica_max is None
+        else per_replica_max * replicas)

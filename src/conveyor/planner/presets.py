@@ -112,6 +112,11 @@ def link_preset(name: str) -> float:
     return _lookup(LINK_PRESETS, name, "--link")
 
 
+def default_link_name(device: str) -> str:
+    """The link preset a device preset usually has (PCIe 4.0 when unknown)."""
+    return DEVICE_LINKS.get(device, "pcie4")
+
+
 def default_link(device: str) -> float:
     """Bytes/s of the link a device preset usually has (PCIe 4.0 when unknown)."""
-    return LINK_PRESETS[DEVICE_LINKS.get(device, "pcie4")]
+    return LINK_PRESETS[default_link_name(device)]

@@ -6,10 +6,11 @@
     conveyor simulate --cost-model measured --profile prof.json --request-rate 4 ...
     conveyor simulate ... --sweep max_num_seqs=8,16,32,64
 
-Takes `bench serve`'s dataset, load and output flags and the engine arguments, and prints
-`bench serve`'s report (or its --json keys) for the simulated run, plus the simulation's
-own figures. Requests end at their dataset output length (compare with `bench serve
---ignore-eos`).
+Takes `bench serve`'s dataset, load, client and output flags and the engine arguments, and
+prints `bench serve`'s report (or its --json keys) for the simulated run, plus the
+simulation's own figures. With --ignore-eos requests end at their dataset output length (as
+`bench serve --ignore-eos`); without it, at an EOS whose position is drawn from the dataset's
+output lengths.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from conveyor.bench.metrics import compute_metrics, format_table, parse_goodput
 from conveyor.cli.engine_args import add_engine_args, parse_engine_override
 from conveyor.config import EngineArgs
 from conveyor.sim.report import format_summary, result_dict, summarize, write_plots
-from conveyor.sim.setup import COST_MODELS, CostSettings, build_plan, build_requests, resolve_model
+from conveyor.sim.setup import (
+    COST_MODELS,
+    ClientLoad,
+    CostSettings,
+    build_plan,
+    build_requests,
+    resolve_model,
+)
 from conveyor.sim.simulator import ROUTING_POLICIES, simulate
 
 # Engine arguments that mean nothing to a simulation, or whose flag means something else here
@@ -69,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--plot-dir", default=None, help="write the PNG plots here")
     sim.add_argument("--timeline-requests", type=int, default=DEFAULT_TIMELINE_REQUESTS,
                      help="requests shown in the timeline plot")
-    serve_cli.add_load_arguments(parser)
+    sim.add_argument("--n", type=int, default=1,
+                     help="parallel samples per request (sampling's n): the samples share "
+                          "the prompt's KV blocks; records count all samples' tokens")
+    serve_cli.add_client_arguments(serve_cli.add_load_arguments(parser))
     serve_cli.add_dataset_arguments(parser)
     serve_cli.add_output_arguments(parser)
     add_engine_args(parser, skip=_SKIPPED)
@@ -82,6 +93,7 @@ class _Inputs:
     settings: CostSettings
     engine_args: EngineArgs
     rate: float
+    load: ClientLoad
     args: argparse.Namespace
 
 
@@ -91,7 +103,9 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         step_overhead_ms=args.step_overhead_ms, activation_reserve=args.activation_reserve,
         profile=args.profile)
     values = {f: getattr(args, f) for f in EngineArgs.field_names() if f not in _SKIPPED}
-    return _Inputs(settings, EngineArgs(**values), args.request_rate, args)
+    load = ClientLoad(ignore_eos=args.ignore_eos, n=args.n, abort_fraction=args.abort_fraction,
+                      max_concurrency=args.max_concurrency)
+    return _Inputs(settings, EngineArgs(**values), args.request_rate, load, args)
 
 
 def run_once(inputs: _Inputs, model: Any, engine_args: EngineArgs, rate: float,
@@ -100,15 +114,17 @@ def run_once(inputs: _Inputs, model: Any, engine_args: EngineArgs, rate: float,
     args = inputs.args
     plan = build_plan(inputs.settings, model, engine_args, args.kv_cache_memory)
     dataset = serve_cli.dataset_from_args(args)
-    requests = build_requests(dataset, model, rate, args.burstiness, args.seed)
+    requests = build_requests(dataset, model, rate, args.burstiness, args.seed, inputs.load)
     trace_ids = frozenset(r.request_id for r in requests[:args.timeline_requests]) \
         if trace else None
-    run = simulate(plan.setup, plan.cost, requests, args.replicas, args.routing, trace_ids)
+    run = simulate(plan.setup, plan.cost, requests, args.replicas, args.routing, trace_ids,
+                   inputs.load.max_concurrency)
     metrics = compute_metrics(run.records, run.duration_s,
                               serve_cli.parse_percentiles(args.metric_percentiles),
                               parse_goodput(args.goodput or []))
     summary = summarize(run, plan.cost.describe(), args.routing, plan.kv_budget_bytes)
-    result = result_dict(model.name, dataset, rate, args.burstiness, metrics, run, summary)
+    result = result_dict(model.name, dataset, rate, args.burstiness, metrics, run, summary,
+                         inputs.load)
     if trace:
         result["plots"] = write_plots(run, args.plot_dir)
     result["_table"] = format_table(metrics) + "\n" + format_summary(summary)

@@ -10,7 +10,9 @@ model turns it into seconds:
   prefix read, the quadratic FLOPs); plus a fixed per-step overhead, swap copies over the
   host link, and with tensor parallelism two ring all-reduces per layer over the device link.
 - ``MeasuredCost``: a profile written by ``conveyor bench profile`` on this machine, a linear
-  model in five terms fitted by least squares (see ``TERMS``).
+  model in five terms fitted by least squares (see ``TERMS``), plus the server's own work
+  when the profile measured a short real serve run (see ``SERVER_TERMS``): per step and per
+  streamed token inside the step, and a per-request front-end time before the engine.
 """
 
 from __future__ import annotations
@@ -19,16 +21,14 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from conveyor.config import ModelConfig
 from conveyor.core.outputs import SchedulerOutput
-from conveyor.planner.plan import DeviceSpec
+from conveyor.planner.plan import DeviceSpec, allreduce_time, check_tensor_parallel
 
-# Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
-ALLREDUCE_LATENCY_S = 10e-6
 # Host <-> device copies of swapped blocks (PCIe 4.0 x16, one direction, achieved).
 HOST_LINK_BYTES_PER_S = 25e9
 PROFILE_FORMAT = 1
@@ -45,6 +45,7 @@ class StepShape:
     prefill_context: int = 0  # KV positions the prefill chunks read (prefix + chunk), summed
     prefill_attention: int = 0  # (query, key) pairs of the prefill chunks (causal), summed
     num_swapped_blocks: int = 0  # blocks copied to or from host memory
+    num_sampled: int = 0  # requests that sample a token (stream one) in the step
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +55,9 @@ class StepShape:
     def of(cls, out: SchedulerOutput) -> StepShape:
         """The shape of a scheduled step (decode as the engine's trace counts it: one new
         token of a request that already has KV)."""
-        num_decode = decode_context = prefill_tokens = prefill_context = pairs = 0
+        num_decode = decode_context = prefill_tokens = prefill_context = pairs = sampled = 0
         for item in out.scheduled:
+            sampled += item.samples
             n, c = item.num_new_tokens, item.num_computed_tokens
             if n == 1 and c:
                 num_decode += 1
@@ -67,12 +69,19 @@ class StepShape:
         return cls(num_seqs=len(out.scheduled), num_decode=num_decode,
                    num_prefill_tokens=prefill_tokens, decode_context=decode_context,
                    prefill_context=prefill_context, prefill_attention=pairs,
-                   num_swapped_blocks=len(out.swap_out) + len(out.swap_in))
+                   num_swapped_blocks=len(out.swap_out) + len(out.swap_in),
+                   num_sampled=sampled)
 
 
 class CostModel(Protocol):
     def step_time(self, shape: StepShape) -> float:
         """Seconds the step takes."""
+        ...
+
+    @property
+    def request_time_s(self) -> float:
+        """Seconds the server's front end spends on a request before the engine sees it
+        (one request at a time)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -94,12 +103,15 @@ class RooflineCost:
     block_size: int = 16  # tokens per KV block (swap copies move whole blocks)
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        check_tensor_parallel(self.model, self.tp, "--tp")
         if self.step_overhead_s < 0:
             raise ValueError(f"--step-overhead-ms must be >= 0, got {self.step_overhead_s * 1e3}")
         if not self.link_bytes_per_s > 0:
             raise ValueError(f"--link-gbs must be > 0, got {self.link_bytes_per_s / 1e9}")
+
+    @property
+    def request_time_s(self) -> float:
+        return 0.0  # a projection of the engine on other hardware: no server measured
 
     @property
     def kv_per_token_per_device(self) -> float:
@@ -125,12 +137,9 @@ class RooflineCost:
 
     def allreduce_time(self, num_tokens: int) -> float:
         """Two ring all-reduces per layer (after attention and after the MLP) of the step's
-        hidden states: each device sends and receives 2 (tp - 1) / tp of the message."""
-        if self.tp == 1:
-            return 0.0
-        message = num_tokens * self.model.hidden_size * self.dtype_bytes
-        one = 2 * (self.tp - 1) / self.tp * message / self.link_bytes_per_s + ALLREDUCE_LATENCY_S
-        return 2 * self.model.num_hidden_layers * one
+        hidden states over the link (the planner's arithmetic: planner.plan.allreduce_time)."""
+        return allreduce_time(self.model, self.tp, self.dtype_bytes, num_tokens,
+                              self.link_bytes_per_s)
 
     def describe(self) -> dict[str, Any]:
         return {"cost_model": "roofline", "device": self.device.name, "tp": self.tp,
@@ -149,6 +158,13 @@ class RooflineCost:
 # (matmul FLOPs), per sequence (sampling, bookkeeping), per KV position a decode reads
 # (attention), and per (query, key) pair of prefill attention (quadratic in the chunk).
 TERMS = ("step", "token", "seq", "decode_context", "prefill_attention")
+
+
+# The server's own work, measured by a short real serve run (``conveyor.sim.profile``): a
+# cost per engine-loop step (handing outputs to the event loop), per token streamed in a
+# step (the SSE event: output object, JSON, write; the client's read on the same machine),
+# and a front-end time per request (HTTP, validation, tokenizing, before the engine).
+SERVER_TERMS = ("server_step", "server_token", "server_request")
 
 
 def term_values(shape: StepShape) -> list[float]:
@@ -196,6 +212,41 @@ def fit_robust(shapes: Sequence[StepShape], times: Sequence[float]) -> list[floa
     return fit_terms([shapes[i] for i in kept], [times[i] for i in kept])
 
 
+@dataclass(frozen=True)
+class ServeRun:
+    """One batch of the serve run: what the client measured, what the engine alone
+    would take (simulated), medians in seconds."""
+
+    batch: int
+    measured_ttft: float
+    measured_tpot: float
+    engine_ttft: float
+    engine_tpot: float
+
+
+def fit_server_terms(runs: list[ServeRun]) -> dict[str, float]:
+    """The server's terms from the gaps between real and engine-only runs: the TPOT gap at
+    each batch B is one decode step's server work, server_step + server_token x B (least
+    squares, both >= 0); the lone requests' TTFT gap, less that step work for their one
+    token, is the per-request front-end time (>= 0)."""
+    import numpy as np
+
+    batches = np.array([r.batch for r in runs], dtype=np.float64)
+    gaps = np.array([r.measured_tpot - r.engine_tpot for r in runs])
+    if len(runs) > 1:
+        slope, intercept = np.polyfit(batches, gaps, 1)
+    else:
+        slope, intercept = 0.0, float(gaps[0])
+    if slope < 0:
+        slope, intercept = 0.0, float(gaps.mean())
+    elif intercept < 0:
+        slope, intercept = float(batches @ gaps / (batches @ batches)), 0.0
+    step, token = max(float(intercept), 0.0), max(float(slope), 0.0)
+    lone = next(r for r in runs if r.batch == 1)
+    request = max(lone.measured_ttft - lone.engine_ttft - step - token, 0.0)
+    return {"server_step": step, "server_token": token, "server_request": request}
+
+
 def model_fingerprint(config: ModelConfig) -> str:
     """A short hash of the model's shape: a profile only applies to the model it measured."""
     text = json.dumps(asdict(config), sort_keys=True, default=str)
@@ -219,6 +270,9 @@ class Profile:
     median_abs_error: float  # of the fit over the samples, relative
     date: str = ""
     format: int = PROFILE_FORMAT
+    # SERVER_TERMS -> seconds per unit; empty: the profile measured the engine alone
+    server_coefficients: dict[str, float] = field(default_factory=dict)
+    server_samples: list[dict[str, Any]] = field(default_factory=list)  # the serve runs
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -259,14 +313,28 @@ class MeasuredCost:
 
     profile: Profile
 
-    def step_time(self, shape: StepShape) -> float:
+    def engine_step_time(self, shape: StepShape) -> float:
+        """The engine's step alone (LLMEngine.step, as `bench profile` timed it)."""
         if shape.num_seqs == 0:
             return 0.0
         coef = [self.profile.coefficients[t] for t in TERMS]
         return sum(c * v for c, v in zip(coef, term_values(shape), strict=True))
 
+    def step_time(self, shape: StepShape) -> float:
+        """The engine's step plus the server's work for it (its streamed tokens)."""
+        if shape.num_seqs == 0:
+            return 0.0
+        server = self.profile.server_coefficients
+        return self.engine_step_time(shape) + server.get("server_step", 0.0) \
+            + server.get("server_token", 0.0) * shape.num_sampled
+
+    @property
+    def request_time_s(self) -> float:
+        return self.profile.server_coefficients.get("server_request", 0.0)
+
     def describe(self) -> dict[str, Any]:
         p = self.profile
         return {"cost_model": "measured", "model": p.model, "machine": p.machine,
                 "dtype": p.dtype, "coefficients": p.coefficients,
+                "server_coefficients": p.server_coefficients,
                 "profile_median_abs_error": p.median_abs_error, "profile_date": p.date}

@@ -10,7 +10,9 @@ update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_terms``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import logging
 import platform
 import random
@@ -26,7 +28,17 @@ from conveyor.config import EngineArgs
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost import TERMS, MeasuredCost, Profile, StepShape, fit_robust, model_fingerprint
+from conveyor.sim.cost import (
+    TERMS,
+    MeasuredCost,
+    Profile,
+    ServeRun,
+    StepShape,
+    fit_robust,
+    fit_server_terms,
+    model_fingerprint,
+)
+from conveyor.sim.simulator import SimRequest, SimSetup, simulate
 
 logger = logging.getLogger(__name__)
 _FIRST_PLAIN_TOKEN = 1000  # synthetic prompt ids stay above special tokens (bench/offline.py)
@@ -130,8 +142,10 @@ def _machine(engine: LLMEngine) -> str:
     return platform.processor() or platform.machine()
 
 
-def run_profile(base: EngineArgs, grid: ProfileGrid) -> Profile:
-    """Build the engine, time the grid, fit the cost terms."""
+def run_profile(base: EngineArgs, grid: ProfileGrid,
+                serve: ServeGrid | None = None) -> Profile:
+    """Build the engine, time the grid, fit the cost terms; with `serve`, then price the
+    server's own work with a short real serve run (see measure_server)."""
     from conveyor.bench.workloads import build_llm, warm_up
 
     args = grid.engine_args(base)
@@ -160,7 +174,13 @@ def run_profile(base: EngineArgs, grid: ProfileGrid) -> Profile:
         device=engine.device.type, machine=_machine(engine), coefficients=coefficients,
         samples=[{**dataclasses.asdict(s), "time_s": t} for s, t in timer.samples],
         median_abs_error=0.0, date=datetime.now().isoformat(timespec="seconds"))
-    return dataclasses.replace(profile, median_abs_error=fit_error(profile))
+    profile = dataclasses.replace(profile, median_abs_error=fit_error(profile))
+    if serve is None:
+        return profile
+    setup, vocab = _sim_setup(engine), engine.model_config.vocab_size
+    del llm, engine, timer
+    gc.collect()  # the server loads its own copy of the model
+    return measure_server(args, serve, profile, setup, vocab)
 
 
 def fit_error(profile: Profile) -> float:
@@ -169,7 +189,7 @@ def fit_error(profile: Profile) -> float:
     errors = []
     for sample in profile.samples:
         shape = StepShape(**{k: v for k, v in sample.items() if k != "time_s"})
-        errors.append(abs(cost.step_time(shape) - sample["time_s"]) / sample["time_s"])
+        errors.append(abs(cost.engine_step_time(shape) - sample["time_s"]) / sample["time_s"])
     return statistics.median(errors)
 
 
@@ -178,7 +198,10 @@ TERM_UNITS = {"step": "ms per step (fixed: weights read, scheduling)",
               "token": "ms per token computed (matmuls)",
               "seq": "ms per sequence in the step (sampling, bookkeeping)",
               "decode_context": "ms per KV position a decode attends to",
-              "prefill_attention": "ms per prefill (query, key) pair and KV position read"}
+              "prefill_attention": "ms per prefill (query, key) pair and KV position read",
+              "server_step": "ms per engine-loop step (handing outputs to the server)",
+              "server_token": "ms per token streamed (SSE event, client read)",
+              "server_request": "ms per request before the engine (HTTP, tokenizing)"}
 
 
 def format_profile(profile: Profile, path: str) -> str:
@@ -189,6 +212,86 @@ def format_profile(profile: Profile, path: str) -> str:
              "(least squares on relative error, coefficients >= 0)"]
     for term in TERMS:
         lines.append(f"{profile.coefficients[term] * 1e3:>14.6f}  {TERM_UNITS[term]}")
+    if profile.server_coefficients:
+        lines.append("the server's own work (a short real serve run, fitted on its gap to "
+                     "the simulated engine):")
+    for term, value in profile.server_coefficients.items():
+        lines.append(f"{value * 1e3:>14.6f}  {TERM_UNITS[term]}")
     lines += [f"median |error| of the fit over the timed steps: "
               f"{profile.median_abs_error:.1%}", f"written to {path}", "=" * 72]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the server
+@dataclass(frozen=True)
+class ServeGrid:
+    """The short real serve run that prices the server's own work: for each batch B, B
+    streamed requests of `prompt_len` token ids sent at once, `output_len` tokens each
+    (ignore_eos); at B = 1, `lone_requests` requests one after another."""
+
+    batches: tuple[int, ...] = (1, 8, 32)
+    prompt_len: int = 64
+    output_len: int = 32
+    lone_requests: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1 or 1 not in self.batches:
+            raise ValueError(f"serve batches must be positive integers including 1, got "
+                             f"{list(self.batches)}")
+        for name in ("prompt_len", "output_len", "lone_requests"):
+            if getattr(self, name) < (3 if name == "output_len" else 1):
+                raise ValueError(f"serve {name} too small: {getattr(self, name)}")
+
+
+def _sim_setup(engine: LLMEngine) -> SimSetup:
+    """The engine's scheduler and KV geometry, to simulate what its server runs."""
+    kv = engine.scheduler.kv_cache
+    eos = tuple(engine.tokenizer.eos_token_ids) if engine.tokenizer is not None else ()
+    eos = eos or engine.model_config.eos_token_ids
+    vocab = engine.model_config.vocab_size
+    plain = next(t for t in range(min(_FIRST_PLAIN_TOKEN, vocab // 2), vocab) if t not in eos)
+    return SimSetup(engine.scheduler_config, kv.num_blocks, kv.block_size, kv.enable_caching,
+                    eos_token_ids=tuple(eos), output_token=plain)
+
+
+def _serve_batch(url: str, grid: ServeGrid, batch: int, setup: SimSetup,
+                 cost: MeasuredCost, rng: random.Random, vocab: int) -> ServeRun:
+    from conveyor.bench.datasets import SampleRequest
+    from conveyor.bench.serve import BenchmarkConfig, run_benchmark
+
+    prompts = [_prompt(rng, vocab, grid.prompt_len)["prompt_token_ids"]
+               for _ in range(grid.lone_requests if batch == 1 else batch)]
+    samples = [SampleRequest(p, grid.prompt_len, grid.output_len) for p in prompts]
+    concurrency = 1 if batch == 1 else None
+    real = asyncio.run(run_benchmark(BenchmarkConfig(
+        base_url=url, ignore_eos=True, show_progress=False, max_concurrency=concurrency),
+        samples))
+    if real.metrics.completed != len(samples):
+        raise RuntimeError(f"the profile's serve run failed: {real.first_error}")
+    sims = [SimRequest(str(i), 0.0, p, grid.output_len) for i, p in enumerate(prompts)]
+    run = simulate(setup, cost, sims, max_concurrency=concurrency)
+    return ServeRun(batch, statistics.median(r.ttft for r in real.records),
+                     statistics.median(r.tpot or 0.0 for r in real.records),
+                     statistics.median(r.record.ttft for r in run.requests),
+                     statistics.median(r.record.tpot or 0.0 for r in run.requests))
+
+
+def measure_server(args: EngineArgs, grid: ServeGrid, profile: Profile, setup: SimSetup,
+                   vocab: int) -> Profile:
+    """Run `conveyor serve` with `args`, time `grid`'s batches through `bench serve`'s
+    client, simulate each with the engine-only profile, and fit the server's terms on
+    the gaps (fit_server_terms). The profile with them."""
+    from conveyor.bench.http_overhead import serve_subprocess
+
+    rng = random.Random(1)
+    engine_only = MeasuredCost(profile)
+    with serve_subprocess(args, log_level=None) as url:
+        _serve_batch(url, grid, 1, setup, engine_only, rng, vocab)  # warm-up
+        runs = [_serve_batch(url, grid, b, setup, engine_only, rng, vocab)
+                for b in sorted(grid.batches)]
+    for r in runs:
+        logger.info("profile: serve batch %d: TPOT %.2f ms (engine alone %.2f), TTFT %.2f ms "
+                    "(engine alone %.2f)", r.batch, 1e3 * r.measured_tpot, 1e3 * r.engine_tpot,
+                    1e3 * r.measured_ttft, 1e3 * r.engine_ttft)
+    return dataclasses.replace(profile, server_coefficients=fit_server_terms(runs),
+                               server_samples=[dataclasses.asdict(r) for r in runs])

@@ -14,6 +14,7 @@ import numpy as np
 from conveyor.bench.datasets import DatasetConfig
 from conveyor.bench.metrics import BenchmarkMetrics, metrics_to_dict
 from conveyor.engine.stats import StepTrace
+from conveyor.sim.setup import ClientLoad
 from conveyor.sim.simulator import Replica, SimRun
 
 NUM_TIME_BUCKETS = 10  # points of the over-time figures in the report
@@ -34,6 +35,7 @@ class SimSummary:
     num_swapped_blocks: int
     peak_num_requests_running: int  # on one replica
     num_rejected: int  # requests that can never fit (refused as the engine refuses them)
+    samples_per_request: int  # n: parallel samples sharing each prompt
     mean_kv_usage: float  # share of blocks in use, averaged over steps and replicas
     peak_kv_usage: float
     mean_queue_length: float  # waiting requests per replica, averaged over steps
@@ -77,6 +79,7 @@ def summarize(run: SimRun, cost_model: dict[str, Any], routing: str,
         num_swapped_blocks=sum(s.num_swapped_blocks for s in stats),
         peak_num_requests_running=max(s.peak_running for s in stats),
         num_rejected=sum(r.record.error is not None for r in run.requests),
+        samples_per_request=max((r.n for r in run.requests), default=1),
         mean_kv_usage=float(np.mean(used)), peak_kv_usage=float(max(used)),
         mean_queue_length=float(np.mean(waiting)), peak_queue_length=int(max(waiting)),
         kv_usage_over_time=_buckets(reps, end, "kv_blocks_used", blocks),
@@ -87,8 +90,11 @@ def summarize(run: SimRun, cost_model: dict[str, Any], routing: str,
 
 
 def result_dict(model: str, dataset: DatasetConfig, rate: float, burstiness: float,
-                metrics: BenchmarkMetrics, run: SimRun, summary: SimSummary) -> dict[str, Any]:
-    """`bench serve --json`'s keys (see BenchmarkResult.to_dict), plus "simulation"."""
+                metrics: BenchmarkMetrics, run: SimRun, summary: SimSummary,
+                load: ClientLoad | None = None) -> dict[str, Any]:
+    """`bench serve --json`'s keys (see BenchmarkResult.to_dict), plus "simulation";
+    `load` None: bench serve's defaults with --ignore-eos."""
+    load = load or ClientLoad(ignore_eos=True)
     first_error = next((r.error for r in run.records if r.error is not None), None)
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -100,9 +106,9 @@ def result_dict(model: str, dataset: DatasetConfig, rate: float, burstiness: flo
         "num_prompts": len(run.requests),
         "request_rate": "inf" if math.isinf(rate) else rate,
         "burstiness": burstiness,
-        "max_concurrency": None,
-        "ignore_eos": True,  # requests end at their dataset output length
-        "abort_fraction": 0.0,
+        "max_concurrency": load.max_concurrency,
+        "ignore_eos": load.ignore_eos,
+        "abort_fraction": load.abort_fraction,
         **metrics_to_dict(metrics),
         "first_error": first_error,
         # record_to_dict's keys, without its deep copy (thousands of ITL lists)

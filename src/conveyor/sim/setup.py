@@ -9,9 +9,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from conveyor.bench.datasets import DatasetConfig, SampleRequest, sample_requests
 from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs, ModelConfig, parse_memory
-from conveyor.planner.plan import DeviceSpec, _reserve_bytes
+from conveyor.planner.plan import DeviceSpec, reserve_bytes
 from conveyor.planner.presets import MODEL_PRESETS, default_link, device_preset, link_preset
 from conveyor.sim.cost import CostModel, MeasuredCost, Profile, RooflineCost, model_fingerprint
 from conveyor.sim.simulator import SimRequest, SimSetup, arrival_times
@@ -122,7 +124,7 @@ def build_plan(settings: CostSettings, model: SimModel, args: EngineArgs,
         weights = model.config.num_parameters() * roofline.dtype_bytes / settings.tp
         budget = (parse_memory(kv_cache_memory) if kv_cache_memory else
                   device.memory_bytes - weights
-                  - _reserve_bytes(device, settings.activation_reserve))
+                  - reserve_bytes(device, settings.activation_reserve))
     else:
         profile = Profile.load(settings.profile or "")
         from conveyor import __version__
@@ -170,11 +172,40 @@ def prompt_token_ids(sample: SampleRequest, model: SimModel) -> list[int]:
     return (ids * math.ceil(n / len(ids)))[:n]
 
 
+@dataclass(frozen=True)
+class ClientLoad:
+    """`bench serve`'s client flags beyond the arrivals, as the simulation applies them."""
+
+    ignore_eos: bool = False  # False: each sample ends at EOS, its length drawn (seeded)
+    # from the dataset's output lengths, or at max_tokens if that comes first
+    n: int = 1  # parallel samples per request (their prompt blocks shared)
+    abort_fraction: float = 0.0  # share of streams the client cancels, as bench serve
+    max_concurrency: int | None = None  # most requests in flight; None: unlimited
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"--n must be >= 1, got {self.n}")
+        if not 0.0 <= self.abort_fraction <= 1.0:
+            raise ValueError(f"--abort-fraction must be in [0, 1], got {self.abort_fraction}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+
+
 def build_requests(dataset: DatasetConfig, model: SimModel, rate: float, burstiness: float,
-                   seed: int) -> list[SimRequest]:
-    """The workload `bench serve` would send, with its arrival times."""
+                   seed: int, load: ClientLoad = ClientLoad()) -> list[SimRequest]:
+    """The workload `bench serve` would send, with its arrival times, EOS points (unless
+    ignore_eos) and abort points (bench serve's own, from the same seed)."""
+    from conveyor.bench.serve import abort_points
+
     samples = sample_requests(dataset)
     times = arrival_times(len(samples), rate, burstiness, seed)
-    return [SimRequest(str(i), t, prompt_token_ids(s, model), s.output_len)
-            for i, (s, t) in enumerate(zip(samples, times, strict=True))]
-
+    max_tokens = [s.output_len for s in samples]
+    aborts = abort_points(len(samples), load.abort_fraction, max_tokens, seed)
+    rng = np.random.default_rng([seed, 2])  # apart from the arrivals' and aborts' streams
+    requests = []
+    for i, (sample, t) in enumerate(zip(samples, times, strict=True)):
+        eos_at = () if load.ignore_eos or not samples else \
+            tuple(int(x) for x in rng.choice(max_tokens, size=load.n))
+        requests.append(SimRequest(str(i), t, prompt_token_ids(sample, model), sample.output_len,
+                                   eos_at=eos_at, n=load.n, abort_after=aborts[i]))
+    return requests
