@@ -30,6 +30,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfo
 SYSTEM_A = "You are a sea captain who answers about the sea and the sky in short haiku. " * 4
 SYSTEM_B = "You are a quick brown fox that jumps over the lazy dog and counts one two. " * 4
 RESTART_TIMEOUT_S = 90.0
+LONG = 800  # tokens: requests still running when the replica is killed (prompt + LONG < 1024)
 
 
 @pytest.fixture(scope="module")
@@ -144,23 +145,27 @@ def test_killing_a_replica_mid_run_leaves_the_endpoint_serving(
     base = replicas.base_url
     live = _live_replicas(_metrics(replicas))
     assert len(live) == 2
-    # Two streams share SYSTEM_A (prefix affinity: its replica), two have fresh prompts (power
-    # of two choices sends them to the less loaded replica), one non-stream shares SYSTEM_A.
-    bodies = [_chat(SYSTEM_A, "long 1", 900, True), _chat(SYSTEM_A, "long 2", 900, True),
-              _chat(SYSTEM_B, "long 3", 900, True), _chat("fresh " * 30, "long 4", 900, True)]
+    # One at a time, so that each is routed alone (Ray Serve hands a chosen replica to the
+    # oldest pending request): two streams and then a non-stream share SYSTEM_A (prefix affinity:
+    # its replica), two streams have new prompts (power of two choices: the other replica).
+    bodies = [_chat(SYSTEM_A, "long 1", LONG, True), _chat(SYSTEM_A, "long 2", LONG, True),
+              _chat(SYSTEM_B, "long 3", LONG, True), _chat("fresh " * 30, "long 4", LONG, True)]
     results: list[dict[str, Any]] = [{} for _ in bodies]
     threads = [threading.Thread(target=_stream, args=(base, b, r))
                for b, r in zip(bodies, results, strict=True)]
-    for thread in threads:
+    deadline = time.monotonic() + 60
+    for thread, result in zip(threads, results, strict=True):
         thread.start()
-        time.sleep(0.2)
-    whole: dict[str, Any] = {}
-    plain = threading.Thread(target=lambda: whole.update(response=httpx.post(
-        base + "/v1/chat/completions", json=_chat(SYSTEM_A, "long 5", 900), timeout=120)))
-    plain.start()
-    deadline = time.monotonic() + 30
+        while "status" not in result and time.monotonic() < deadline:
+            time.sleep(0.02)
     while not all(len(r.get("events", ())) > 2 for r in results) and time.monotonic() < deadline:
         time.sleep(0.05)
+    whole: dict[str, Any] = {}
+    plain = threading.Thread(target=lambda: whole.update(response=httpx.post(
+        base + "/v1/chat/completions", json=_chat(SYSTEM_A, "long 0", LONG), timeout=120)))
+    plain.start()
+    time.sleep(0.3)  # routed (alone), and far from its last token
+    assert [r["status"] for r in results] == [200] * len(results), results
     victim = results[0]["replica"]
     os.kill(live[victim], signal.SIGKILL)
     for thread in [*threads, plain]:

@@ -17,7 +17,6 @@ from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from conveyor.deploy.config import DeployConfig, replica_cpus
 from conveyor.deploy.frontend import Frontend
 from conveyor.deploy.replica import EngineReplica, replica_options
-from conveyor.deploy.routing import PrefixAffinityRouter
 from conveyor.server.config import ServerConfig
 
 logger = logging.getLogger("conveyor.deploy")
@@ -41,7 +40,8 @@ def build_app(engine_args: EngineArgs | None = None, server_config: ServerConfig
                               engine_args.max_num_seqs, server_config)
     if deploy_config.routing == "prefix":
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
+            # by import path: Ray imports it in the front door's process
+            request_router_class="conveyor.deploy.routing:PrefixAffinityRouter",
             request_router_kwargs={
                 "imbalance_threshold": deploy_config.routing_imbalance_threshold})
     hub_name = f"conveyor-metrics:{app_name}"

@@ -68,7 +68,7 @@ def routing_text(path: str, body: bytes) -> str | None:
     if isinstance(messages, list):
         return "".join(_message_text(m) for m in messages if isinstance(m, dict))
     prompt = payload.get("prompt")
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its first prompt (the others usually share its prefix)
     if isinstance(prompt, str):
         return prompt

@@ -21,6 +21,8 @@ PREFIX = "conveyor:"
 PUSH_PERIOD_S = 1.0
 # A replica whose last push is older than this is gone (a restarted one has a new id).
 STALE_S = 5.0
+# Named actors live in a namespace; each replica process would otherwise have its own.
+HUB_NAMESPACE = "conveyor"
 
 # The front door's process: the routers (which run in it) and the front door count here.
 REGISTRY = CollectorRegistry()
@@ -59,7 +61,8 @@ class MetricsHub:
 
 def metrics_hub(name: str) -> Any:
     """The application's hub, created by whoever asks first (detached: it outlives them)."""
-    return MetricsHub.options(name=name, get_if_exists=True, lifetime="detached").remote()
+    return MetricsHub.options(name=name, namespace=HUB_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
 
 
 class _Replicas(Collector):

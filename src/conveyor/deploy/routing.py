@@ -17,7 +17,6 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
 from conveyor.deploy.bridge import ForwardedRequest
-from conveyor.deploy.metrics import ROUTING_DECISIONS
 from conveyor.deploy.prefix_index import DEFAULT_BLOCK_CHARS, PrefixIndex
 
 
@@ -69,6 +68,10 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
+        # Imported here: Ray Serve pickles this module by value, and the counter (with its
+        # lock) must be the front door's own, the one its /metrics shows.
+        from conveyor.deploy.metrics import ROUTING_DECISIONS
+
         reason = self._reasons.pop(pending_request.metadata.request_id, "no_prompt")
         ROUTING_DECISIONS.labels("prefix", reason).inc()
         text = _routing_text(pending_request)

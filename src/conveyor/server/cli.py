@@ -122,8 +122,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
                                            config.timeout_read_body))
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the
     # root logger's queue; access lines come from conveyor's middleware (with durations).
+    # loop="asyncio": the loop the server was built and tested on, also where uvloop is
+    # installed (Ray Serve, the '.[ray]' extra, brings it).
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, http=protocol,
-                                    log_config=None, access_log=False,
+                                    loop="asyncio", log_config=None, access_log=False,
                                     log_level=config.uvicorn_log_level.lower(),
                                     timeout_keep_alive=config.timeout_keep_alive)
     server = GracefulServer(uvicorn_config, engine, config.shutdown_timeout)
