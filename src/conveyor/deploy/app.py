@@ -41,7 +41,7 @@ def build_app(engine_args: EngineArgs | None = None, server_config: ServerConfig
     if deploy_config.routing == "prefix":
         options["request_router_config"] = RequestRouterConfig(
             # by import path: Ray imports it in the front door's process
-            request_router_class="conveyor.deploy.routing:PrefixAffinityRouter",
+            request_router_class="conveyor.deploy.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
             request_router_kwargs={
                 "imbalance_threshold": deploy_config.routing_imbalance_threshold})
     hub_name = f"conveyor-metrics:{app_name}"

@@ -61,8 +61,8 @@ class MetricsHub:
 
 def metrics_hub(name: str) -> Any:
     """The application's hub, created by whoever asks first (detached: it outlives them)."""
-    return MetricsHub.options(name=name, namespace=HUB_NAMESPACE, get_if_exists=True,
-                              lifetime="detached").remote()
+    return MetricsHub.options(  # type: ignore[attr-defined]  # added by @ray.remote
+        name=name, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
 
 class _Replicas(Collector):

@@ -32,7 +32,9 @@ HEALTH_CHECK_TIMEOUT_S = 10.0
 class EngineReplica:
     """The engine behind one replica; `forward` answers one HTTP request."""
 
-    async def __init__(self, engine_args: EngineArgs, server_config: ServerConfig,
+    # Ray Serve awaits an async constructor on the replica's event loop.
+    async def __init__(self, engine_args: EngineArgs,  # type: ignore[misc]
+                       server_config: ServerConfig,
                        hub_name: str) -> None:
         from conveyor.engine.async_engine import AsyncEngine
         from conveyor.engine.llm_engine import LLMEngine

@@ -28,7 +28,7 @@ def replica_name(replica_id: ReplicaID) -> str:
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Power of two choices, except that a prompt goes where its longest prefix went."""
 
-    def initialize_state(self, imbalance_threshold: int = 4,
+    def initialize_state(self, imbalance_threshold: int = 4,  # type: ignore[override]
                          block_chars: int = DEFAULT_BLOCK_CHARS) -> None:
         self._imbalance_threshold = imbalance_threshold
         self._index = PrefixIndex(block_chars)
