@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from conveyor.cli.engine_args import add_dataclass_flags, add_engine_args, engine_args_from
 from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from conveyor.deploy.config import DeployConfig
 from conveyor.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,23 @@ _HELP = {
 }
 
 
+_DEPLOY_HELP = {
+    "replicas": "run N engine replicas on Ray Serve behind this one endpoint (needs "
+                "pip install -e '.[ray]'; unset: one engine in this process)",
+    "routing": "with --replicas: pow2 (Ray Serve's power of two choices) or prefix (requests "
+               "sharing a prompt prefix go to the replica that cached it)",
+    "routing_imbalance_threshold": "with --routing prefix: queue-length gap (requests) past "
+                                   "which prefix affinity yields to power of two choices",
+    "ray_address": "with --replicas: join this Ray cluster ('auto', 'ray://host:port'); "
+                   "unset: start a local one",
+}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_dataclass_flags(p.add_argument_group("server"), ServerConfig, _HELP)
+    add_dataclass_flags(p.add_argument_group("replicas (Ray Serve)"), DeployConfig,
+                        _DEPLOY_HELP)
     p.set_defaults(api_key=os.environ.get("CONVEYOR_API_KEY"))
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -55,10 +71,24 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                            for f in dataclasses.fields(ServerConfig)})
 
 
+def deploy_config(args: argparse.Namespace) -> DeployConfig:
+    return DeployConfig(**{f.name: getattr(args, f.name)
+                           for f in dataclasses.fields(DeployConfig)})
+
+
 def run(args: argparse.Namespace) -> int:
     from conveyor.server.logs import LogQueue
 
     config = server_config(args)
+    replicas = deploy_config(args)
+    if replicas.replicas is not None:
+        from conveyor.deploy import RayNotInstalledError, serve_replicas
+
+        try:
+            return serve_replicas(server_engine_args(args), config, replicas)
+        except RayNotInstalledError as e:
+            print(f"conveyor: error: {e}", file=sys.stderr)
+            return 2
     logs = LogQueue()  # from here on, nothing writes logs on the event-loop thread
     try:
         status = _serve(args, config)
@@ -92,8 +122,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
                                            config.timeout_read_body))
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the
     # root logger's queue; access lines come from conveyor's middleware (with durations).
+    # loop="asyncio": the loop the server was built and tested on, also where uvloop is
+    # installed (Ray Serve, the '.[ray]' extra, brings it).
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, http=protocol,
-                                    log_config=None, access_log=False,
+                                    loop="asyncio", log_config=None, access_log=False,
                                     log_level=config.uvicorn_log_level.lower(),
                                     timeout_keep_alive=config.timeout_keep_alive)
     server = GracefulServer(uvicorn_config, engine, config.shutdown_timeout)
