@@ -174,6 +174,19 @@ class SchedulerConfig:
                      self.max_num_batched_tokens)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices (processes) hold the model: ``tensor_parallel_size`` ranks, each
+    with 1/N of every layer (conveyor.model.parallel says which part)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                 "tensor_parallel_size", "an integer >= 1", n)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -286,6 +299,8 @@ class EngineArgs:
     served_model_name: str | None = None
     # speculative decoding: {"method": "ngram", "num_speculative_tokens": 4, ...} or its JSON
     speculative_config: dict[str, Any] | str | None = None
+    # processes (devices) the model is split across (vLLM's name); rank 0 runs here
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -308,6 +323,10 @@ class EngineArgs:
         _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
                  self.max_grammar_bytes)
         SpeculativeConfig.parse(self.speculative_config)  # validates
+        self.parallel_config()  # validates
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

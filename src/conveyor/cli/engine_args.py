@@ -37,6 +37,9 @@ _HELP = {
                                "past it the request is refused (400)",
     "max_grammar_bytes": "longest JSON Schema, regex, grammar or choice list accepted "
                          "(characters)",
+    "tensor_parallel_size": "split the model across N processes (devices), each with 1/N of "
+                            "every layer's heads, MLP and vocabulary (gloo on CPU, NCCL on "
+                            "CUDA); N may not exceed the model's KV heads",
     "speculative_config": "speculative decoding as JSON, vLLM's names: "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
