@@ -266,6 +266,22 @@ class StructuredOutputsConfig:
                  self.max_grammar_bytes)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices (processes) hold the model: ``tensor_parallel_size`` ranks, each
+    with 1/N of every layer (conveyor.model.parallel says which part)."""
+
+    tensor_parallel_size: int = setting(
+        1, "split the model across N processes (devices), each with 1/N of every layer's "
+           "heads, MLP and vocabulary (gloo on CPU, NCCL on CUDA); N may not exceed the "
+           "model's KV heads")
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                 "tensor_parallel_size", "an integer >= 1", n)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -340,12 +356,13 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 SERVER_MAX_NUM_BATCHED_TOKENS = 512
 
 # The sections EngineArgs is made of: each setting is declared once, in its section.
-ENGINE_SECTIONS: tuple[type, ...] = (LoadConfig, CacheConfig, SchedulerConfig,
+ENGINE_SECTIONS: tuple[type, ...] = (LoadConfig, ParallelConfig, CacheConfig, SchedulerConfig,
                                      StructuredOutputsConfig)
 
 
 @dataclass(frozen=True)
-class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, LoadConfig):
+class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, ParallelConfig,
+                 LoadConfig):
     """Every engine argument: an ``LLM(...)`` keyword and a ``--flag`` of the same name.
 
     The fields are those of the sections (``ENGINE_SECTIONS``), inherited flat (the bases
@@ -364,6 +381,9 @@ class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, LoadConf
         for section in ENGINE_SECTIONS:
             section.__post_init__(self)  # type: ignore[attr-defined]
         SpeculativeConfig.parse(self.speculative_config)  # validates
+
+    def parallel_config(self) -> ParallelConfig:
+        return self.section(ParallelConfig)
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

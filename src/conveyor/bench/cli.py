@@ -67,7 +67,10 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
         if overrides else None
     workload = (GroundedWorkload if args.workload == "grounded" else Workload)(
         num_requests=args.num_requests, seed=args.workload_seed)
-    report = run_offline(llm, workload, tuple(args.roofline_batches), warmup=args.warmup,
+    # The roofline times rank 0's bare matmuls alone: at TP > 1 its LM head's all-gather
+    # would wait for ranks that are not running them.
+    roofline = tuple(args.roofline_batches) if engine_args.tensor_parallel_size == 1 else ()
+    report = run_offline(llm, workload, roofline, warmup=args.warmup,
                          reference_llm=reference, against=against)
     _emit(report, args, format_offline)
     return 0

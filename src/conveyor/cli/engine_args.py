@@ -12,8 +12,8 @@ from typing import Any
 
 from conveyor.config import ENGINE_SECTIONS, EngineArgs
 
-_GROUPS = {"LoadConfig": "model", "CacheConfig": "KV cache", "SchedulerConfig": "scheduler",
-           "StructuredOutputsConfig": "structured outputs"}
+_GROUPS = {"LoadConfig": "model", "ParallelConfig": "parallelism", "CacheConfig": "KV cache",
+           "SchedulerConfig": "scheduler", "StructuredOutputsConfig": "structured outputs"}
 
 
 def _base_type(hint: Any) -> Any:

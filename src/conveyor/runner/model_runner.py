@@ -77,9 +77,14 @@ class KVCacheLayout:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
-                 seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
+                 seed: int = 0, grammars: GrammarCompiler | None = None,
+                 sampling: bool = True) -> None:
         cfg = model.config
         self.model = model
+        # False on tensor-parallel ranks other than 0: they run the model (its collectives)
+        # and keep the tokens in step with rank 0's samples (``add_sampled``), but rank 0
+        # alone samples.
+        self.sampling = sampling
         self.device = device
         self.block_size = layout.block_size
 
@@ -144,6 +149,8 @@ class ModelRunner:
         if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
+        if not self.sampling:
+            return ModelRunnerOutput({})
         if masks is not None:  # constrained requests never draft: one row each
             constrained, bitmask = masks
             first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
@@ -166,6 +173,13 @@ class ModelRunner:
                 matcher.consume_tokens(tokens)
         return result
 
+    def add_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Tokens another rank sampled last step (tensor parallelism): the inputs of this
+        step's decodes, as if this runner had sampled them."""
+        for request_id, tokens in sampled.items():
+            if request_id in self.tokens:
+                self.tokens[request_id].extend(tokens)
+
     def _add_requests(self, out: SchedulerOutput) -> None:
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.all_token_ids)
@@ -177,7 +191,7 @@ class ModelRunner:
                 p, list(new.all_token_ids[:new.num_prompt_tokens]),
                 list(new.all_token_ids[new.num_prompt_tokens:]),
                 make_generator(p, self.device), new.eos_token_ids)
-            if p.structured_outputs is not None:
+            if p.structured_outputs is not None and self.sampling:
                 if self.grammars is None:
                     raise ValueError("structured_outputs needs a model with a tokenizer")
                 matcher = self.grammars.compile(p.structured_outputs, count=False)  # cached

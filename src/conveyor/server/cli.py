@@ -136,5 +136,8 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
         server.should_exit = True
 
     engine.on_dead = on_engine_dead
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm_engine.shutdown()  # tensor-parallel workers, if any
     return 0 if server.started and engine.dead_error is None else 1

@@ -60,6 +60,9 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_tokens = gauge("kv_cache_capacity_tokens",
+                               "KV-cache capacity in tokens (blocks x block size).")
+        self.tp_size = gauge("tensor_parallel_size", "Ranks the model is split across.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens",
                                          "Number of generation tokens processed.")
@@ -113,6 +116,8 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_requests_running)
         self.waiting.labels(m).set(stats.num_requests_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.kv_tokens.labels(m).set(stats.kv_cache_tokens)
+        self.tp_size.labels(m).set(stats.tensor_parallel_size)
         counts = _counts(stats)
         for metric, count, last in zip(self._counters(), counts, self._last_counts,
                                        strict=True):
