@@ -305,6 +305,7 @@ class LLMEngine:
             if seq.detokenizer is not None:
                 seq.text += seq.detokenizer.flush()
             seq.finish_reason, seq.error = "error", why
+            self._release_pending(group, seq)  # else n > 1 would wait for it forever
             groups.append(group)
         return groups
 
@@ -388,6 +389,10 @@ class LLMEngine:
                 break
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
+        self._release_pending(group, seq)
+
+    def _release_pending(self, group: RequestGroup, seq: Sequence) -> None:
+        """Once the first sample has its first token (or failed at it), its siblings run."""
         if group.pending and seq.index == 0:
             for pending in group.pending:  # the prompt's blocks are now cached: share them
                 self.scheduler.add_request(pending)
