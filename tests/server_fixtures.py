@@ -10,9 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 
 # Loading the default model takes ~10 s on a small CPU machine; be generous under load.
@@ -97,6 +99,19 @@ def start_server(*args: str, api_key: str | None = None, setup: str = "",
         time.sleep(0.25)
     proc.kill()
     raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+
+
+def serving(*args: str) -> Iterator[ServerProcess]:
+    """A module fixture's body: `conveyor serve ARGS`, then a graceful stop (exit 0)."""
+    server = start_server(*args)
+    yield server
+    assert server.stop() == 0, server.log_tail()
+    server.remove_log()
+
+
+def openai_client(server: ServerProcess) -> openai.OpenAI:
+    """The official client on the server's /v1, without retries (a test sees each failure)."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

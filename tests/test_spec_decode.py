@@ -88,9 +88,15 @@ def test_greedy_outputs_equal_speculation_off_alone_and_batched(tiny_llama_dir, 
     assert alone == reference
     assert run(llm, prompts(), SamplingParams(**COPYING)) == reference
     stats = llm.stats()
-    assert stats.spec_decode_num_accepted_tokens > 20  # speculation did happen
+    accepted, drafts = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_drafts
+    assert accepted > 20  # speculation did happen
+    assert stats.spec_decode_num_draft_tokens >= accepted
+    assert stats.spec_decode_num_draft_tokens >= drafts > 0
     assert 0 < stats.spec_decode_acceptance_rate < 1
-    assert stats.spec_decode_num_accepted_tokens_per_pos[0] > 0
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    # a draft's token is accepted only after every one before it: fewer at each position
+    assert sum(per_pos) == accepted and list(per_pos) == sorted(per_pos, reverse=True)
+    assert stats.spec_decode_mean_accepted_length == pytest.approx(1 + accepted / drafts)
     kv_free(llm)
 
 

@@ -119,6 +119,33 @@ def test_max_tokens_mid_structure_is_length(llm) -> None:
     assert out.finish_reason == "length"
 
 
+# Ambiguous (every split of a run of "a"s and "#"s parses, through 10 rules): it compiles
+# at once, but its first mask, over tokens such as "#####...", needs more Earley items than
+# llguidance's per-step limit (50,000), so llguidance gives up on it while generating.
+FUEL_GRAMMAR = "start: r0\n" + "".join(f'r{i}: r{i} r{i} | r{i + 1} | "a" | "#"\n'
+                                       for i in range(10)) + 'r10: "b"'
+
+
+def test_grammar_out_of_fuel_ends_with_error_alone(default_llm, kv_free) -> None:
+    """llguidance gives up on a grammar while generating: each sample ends on its own with
+    finish_reason "error" and the reason (not "stop"); a free request beside them gives
+    what it gives alone. The default model: the tiny one's vocabulary has no long runs of
+    "#" to exhaust the limit with."""
+    llm = default_llm
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], free)[0].outputs[0].token_ids
+    errors = llm.stats().finished_by_reason["error"]
+    hostile = SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(grammar=FUEL_GRAMMAR))
+    mixed = llm.generate(PROMPTS[:2], [free, hostile])
+    assert mixed[0].outputs[0].token_ids == alone
+    for c in mixed[1].outputs:
+        assert c.finish_reason == "error" and c.error.startswith("structured output failed: ")
+        assert "Too many items" in c.error and set(c.text) <= {"a", "b", "#"}
+    assert llm.stats().finished_by_reason["error"] == errors + 2
+    kv_free(llm)
+
+
 @pytest.mark.parametrize(("spec", "words"), [
     ({"json": {"type": "strin"}}, ["structured_outputs.json", "strin"]),
     ({"json": '{"type": '}, ["structured_outputs.json", "not valid JSON"]),
@@ -143,6 +170,9 @@ def test_structured_outputs_params_validate() -> None:
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+    # a grammar that has ended allows only EOS, which min_tokens would ban: refused
+    with pytest.raises(ValueError, match="^min_tokens must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=1, structured_outputs=StructuredOutputsParams(regex="a+"))
 
 
 # ---------------------------------------------------------------------- tool-call parser
@@ -153,25 +183,85 @@ TEXTS = [
     "no call here, just text with a < sign and <tool_ca",
     'broken <tool_call>{"name": "f", "arguments": </tool_call> then text',
     'ok <tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>{"name": ',
+    '<tool_call>{"arguments": {"b": [1, 2]}, "name": "h"}</tool_call>',  # name last
+    '<tool_call>{"name": "f", "parameters": 12} </tool_call>',
+    '<tool_call> {"name": "f", "arguments": {"s": "x}</tool"}} </tool_call>',
+    '<tool_call>\n{"name": "f"}\n</tool_call><tool_call>{"name": "g", "arguments": {"a": "é',
+    '<tool_call>{"name": "f", "arguments": {"a": true,\n  "b": nul',  # cut by max_tokens
 ]
+
+
+def _reassemble(parser: HermesToolParser, text: str, ends: list[int]
+                ) -> tuple[str | None, list[tuple[str, str, str]], list[int]]:
+    """(content, [(id, name, arguments)], argument deltas per call) of a stream cut at
+    ``ends``; each call's id and name come once, in its first delta."""
+    stream = ToolCallStream(parser)
+    content, calls, pieces = "", [], []
+    for end in ends:
+        delta, news = stream.update(text[:end], finished=end == len(text))
+        content += delta
+        for news_item in news:
+            if news_item.index == len(calls):
+                assert news_item.id is not None and news_item.name is not None
+                calls.append([news_item.id, news_item.name, ""])
+                pieces.append(0)
+            else:
+                assert news_item.id is None and news_item.name is None and news_item.arguments
+            calls[news_item.index][2] += news_item.arguments
+            pieces[news_item.index] += bool(news_item.arguments)
+    return content or None, [tuple(c) for c in calls], pieces
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_tool_calls_reassemble_to_the_whole(text: str) -> None:
     parser = HermesToolParser()
     content, calls = parser.parse(text)
+    whole = [(c.name, c.arguments) for c in calls]
     rng = random.Random(len(text))
     for _ in range(20):  # random cuts, and every single character as its own delta
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
         for ends in (cuts + [len(text)], list(range(1, len(text) + 1))):
-            stream = ToolCallStream(parser)
-            streamed, streamed_calls = "", []
-            for end in ends:
-                delta, new = stream.update(text[:end], finished=end == len(text))
-                streamed += delta
-                streamed_calls += [call for _, call in new]
-            assert (streamed or None) == content
-            assert streamed_calls == calls
+            streamed, streamed_calls, _ = _reassemble(parser, text, ends)
+            assert streamed == content
+            assert [(name, arguments) for _, name, arguments in streamed_calls] == whole
+            assert len({call_id for call_id, _, _ in streamed_calls}) == len(calls)
+
+
+def test_tool_call_arguments_are_the_models_text_streamed_as_written() -> None:
+    parser = HermesToolParser()
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Zürich",  "days": [1, 2]}}'
+            '\n</tool_call>')
+    content, calls = parser.parse(text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == \
+        [("get_weather", '{"city":"Zürich",  "days": [1, 2]}')]
+    _, streamed, pieces = _reassemble(parser, text, list(range(1, len(text) + 1)))
+    assert streamed[0][1:] == ("get_weather", calls[0].arguments)
+    # a delta per character written (whitespace goes with the character after it)
+    assert pieces == [sum(not ch.isspace() for ch in calls[0].arguments)]
+    # broken or cut short: the call and what was written of its arguments, nothing else
+    assert [(c.name, c.arguments) for c in parser.parse(TEXTS[3])[1]] == [("f", "")]
+    assert [(c.name, c.arguments) for c in parser.parse(TEXTS[-1])[1]] == \
+        [("f", '{"a": true,\n  "b": nul')]
+    assert [(c.name, c.arguments) for c in parser.parse(TEXTS[6])[1]] == [("f", "12")]
+    assert parser.parse(TEXTS[2]) == (TEXTS[2], [])
+
+
+def test_required_grammar_takes_parallel_calls_only_when_asked(llm) -> None:
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+        "additionalProperties": False}}} for n in ("f", "g")]
+    parser = HermesToolParser()
+    two = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
+          '<tool_call>\n{"name": "g", "arguments": {"x": 2}}\n</tool_call>'
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(two, add_special_tokens=False)
+    one = len(tokenizer.encode(two[:two.index("\n<tool_call>", 1)], add_special_tokens=False))
+    for parallel, accepted in ((True, len(ids)), (False, one)):
+        grammar = parser.grammar(tools, parallel=parallel)
+        matcher = llm.engine.grammars.compile(StructuredOutputsParams(grammar=grammar),
+                                              count=False)
+        assert matcher.validate_tokens(ids) == accepted, parallel
+        assert matcher.consume_tokens(ids[:accepted]) and matcher.is_accepting()
 
 
 def test_grammar_cache_counts_each_request_once(llm) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from typing import Literal
 
 import httpx
@@ -18,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
+from server_fixtures import ServerProcess, metric_value, openai_client, serving, wait_idle
 
 # Generous for a small grammar; the compile-timeout test sends one that takes seconds.
 COMPILE_TIMEOUT_S = 0.5
@@ -54,22 +55,24 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
                    "required": ["zone"], "additionalProperties": False}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Ambiguous (every split of a run of "a"s and "#"s parses, through 10 rules): it compiles
+# at once, but its first mask, over tokens such as "#####...", needs more Earley items than
+# llguidance's per-step limit (50,000), so llguidance gives up on it while generating.
+FUEL_GRAMMAR = "start: r0\n" + "".join(f'r{i}: r{i} r{i} | r{i + 1} | "a" | "#"\n'
+                                       for i in range(10)) + 'r10: "b"'
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
-                          "--tool-call-parser", "hermes",
-                          "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S),
-                          "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES))
-    yield server
-    assert server.stop() == 0, server.log_tail()
-    server.remove_log()
+def server() -> Iterator[ServerProcess]:
+    yield from serving("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                       "--tool-call-parser", "hermes",
+                       "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S),
+                       "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES))
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def _chat(server: ServerProcess, **body: object) -> httpx.Response:
@@ -177,6 +180,8 @@ def test_length_mid_structure_is_length(server: ServerProcess):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", ["nope"]),
     ({"tool_choice": "required"}, "tool_choice", ["tools"]),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens",
+     ["structured_outputs", "grammar decides"]),
 ])
 def test_bad_constraints_are_400_naming_the_field(server: ServerProcess, body: dict,
                                                   param: str, words: list[str]):
@@ -186,6 +191,27 @@ def test_bad_constraints_are_400_naming_the_field(server: ServerProcess, body: d
     assert error["param"] == param
     for word in words:
         assert word in error["message"]
+
+
+def test_grammar_out_of_fuel_ends_with_error(server: ServerProcess, client: openai.OpenAI):
+    """A grammar llguidance gives up on while generating (FUEL_GRAMMAR): finish_reason
+    "error", not "stop"; a stream ends with the choice's "error" chunk, then an error event
+    with the reason (the client raises it); the server goes on."""
+    body = {"model": server.model, "prompt": "Letters:", "max_tokens": 40, "temperature": 0,
+            "extra_body": {"structured_outputs": {"grammar": FUEL_GRAMMAR}}}
+    whole = client.completions.create(**body)
+    assert whole.choices[0].finish_reason == "error"
+    chunks = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in client.completions.create(**body, stream=True):
+            chunks.append(chunk)
+    assert chunks[-1].choices[0].finish_reason == "error"
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert info.value.message.startswith("structured output failed: ")
+    assert info.value.body["code"] == "structured_output_failed"
+    metrics = wait_idle(server)
+    assert metric_value(metrics, "conveyor:request_success_total", finished_reason="error") >= 2
+    _kv_free(server)
 
 
 def test_compile_timeout_is_400_and_harms_nobody(server: ServerProcess,
@@ -284,4 +310,56 @@ def test_tool_round_trip_with_the_client(server: ServerProcess, client: openai.O
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert prompt["count"] > 0
+    _kv_free(server)
+
+
+def test_answer_without_calls_leaves_tool_calls_out(server: ServerProcess):
+    message = _chat(server, max_tokens=4).json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"]  # as OpenAI's answers
+
+
+def test_tool_call_arguments_stream_in_pieces(server: ServerProcess, client: openai.OpenAI):
+    """The official client's stream: the call's id and name first, then its arguments in
+    several deltas as the model writes them; concatenated, the non-streamed answer."""
+    body = {"model": server.model, "messages": ASK_WEATHER, "tools": [WEATHER],
+            "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+            "max_tokens": 60}  # one call (with parallel ones the model goes on to max_tokens)
+    whole = client.chat.completions.create(**body).choices[0]
+    heads, pieces, finish = {}, {}, None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    assert call.index not in heads and call.type == "function"
+                    heads[call.index] = call.function.name
+                pieces.setdefault(call.index, []).append(call.function.arguments or "")
+            finish = choice.finish_reason or finish
+    calls = whole.message.tool_calls
+    assert [(heads[i], "".join(pieces[i])) for i in sorted(pieces)] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    assert finish == whole.finish_reason == "tool_calls"
+    assert len([p for p in pieces[0] if p]) >= 4, pieces  # not one chunk per call
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        WEATHER["function"]["parameters"])
+
+
+def test_required_with_parallel_calls(server: ServerProcess):
+    """tool_choice "required" with parallel_tool_calls: one or more calls, every finished
+    one valid against its tool's schema (a last one cut by max_tokens is "length"),
+    distinct ids, and the stream reassembles to the whole answer."""
+    body = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": True,
+            "max_tokens": 100, "messages": [
+                {"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]}
+    choice = _chat(server, **body).json()["choices"][0]
+    content, calls, finish = _streamed(server, **body)
+    whole = choice["message"]
+    assert content == whole["content"] is None and finish == choice["finish_reason"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in whole["tool_calls"]]
+    assert len({c["id"] for c in whole["tool_calls"]}) == len(calls) >= 1
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    finished = calls if finish == "tool_calls" else calls[:-1]
+    assert finish in ("tool_calls", "length")
+    for name, arguments in finished:
+        jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
     _kv_free(server)

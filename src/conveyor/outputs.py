@@ -14,8 +14,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Why it ended with "error" when the request itself failed (its grammar ran out of
+    # fuel); None when an engine step failed (an internal error, logged).
+    error: str | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token, if asked
     cumulative_logprob: float | None = None
 

@@ -154,6 +154,11 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams, got "
                f"{type(self.structured_outputs).__name__}")
+        # A grammar that has ended allows nothing but EOS, which min_tokens bans: refused.
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               "min_tokens must be 0 with structured_outputs (a response_format, tool_choice "
+               "or other constraint): the grammar decides where the output ends, got "
+               f"{self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

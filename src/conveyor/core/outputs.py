@@ -90,3 +90,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # request_id -> per token above, {token_id: Logprob}: top-N plus that token (if asked)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # request_id -> why it cannot go on (its grammar failed: llguidance ran out of fuel):
+    # the engine ends it with finish_reason "error" before taking this step's tokens, so
+    # the token sampled for it (EOS, all its failed mask allowed) is dropped
+    errors: dict[str, str] = field(default_factory=dict)

@@ -402,7 +402,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+            # "error" with no reason of its own: the engine step failed (an internal error)
+            if output.finished and any(c.finish_reason == "error" and c.error is None
+                                       for c in output.outputs):
                 stream._fail(RequestFailedError(output.request_id))
             else:
                 stream._put(output)

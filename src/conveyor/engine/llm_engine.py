@@ -316,6 +316,7 @@ class LLMEngine:
         except Exception as error:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0
+        failed = self._fail_sequences(runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None or self.trace_listener is not None:
             trace = self._trace_step(scheduler_output, updated, start)
@@ -323,14 +324,34 @@ class LLMEngine:
                 self.step_trace.append(trace)
             if self.trace_listener is not None:
                 self.trace_listener(trace)
-        return self._emit(updated, runner_output)
+        return self._emit(updated, runner_output, failed)
 
-    def _emit(self, updated: list[Request], runner_output: ModelRunnerOutput
-              ) -> list[RequestOutput]:
-        """Detokenize and stop-check the new tokens; the outputs of the requests touched.
-        A request whose post-processing raises (a bug, a tokenizer error) ends alone with
-        finish_reason "error"."""
-        touched: dict[str, RequestGroup] = {}
+    def _fail_sequences(self, errors: dict[str, str]) -> list[RequestGroup]:
+        """End the sequences the runner cannot go on with (their grammar failed) with
+        finish_reason "error" and its reason, before the step's tokens are taken (theirs
+        is dropped); the other samples of their request go on. Their groups."""
+        groups = []
+        for request_id, why in errors.items():
+            entry = self._sequences.get(request_id)
+            if entry is None:
+                continue
+            group, seq = entry
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            logger.warning("request %s ends with finish_reason 'error': %s",
+                           group.request_id, why)
+            if seq.detokenizer is not None:
+                seq.text += seq.detokenizer.flush()
+            seq.finish_reason, seq.error = "error", why
+            self._release_pending(group, seq)  # else n > 1 would wait for it forever
+            groups.append(group)
+        return groups
+
+    def _emit(self, updated: list[Request], runner_output: ModelRunnerOutput,
+              failed_alone: list[RequestGroup]) -> list[RequestOutput]:
+        """Detokenize and stop-check the new tokens; the outputs of the requests touched
+        (and of ``failed_alone``). A request whose post-processing raises (a bug, a
+        tokenizer error) ends alone with finish_reason "error"."""
+        touched: dict[str, RequestGroup] = {g.request_id: g for g in failed_alone}
         failed: list[RequestOutput] = []
         for request in updated:
             entry = self._sequences.get(request.request_id)
@@ -405,6 +426,10 @@ class LLMEngine:
                 break
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
+        self._release_pending(group, seq)
+
+    def _release_pending(self, group: RequestGroup, seq: Sequence) -> None:
+        """Once the first sample has its first token (or failed at it), its siblings run."""
         if group.pending and seq.index == 0:
             for pending in group.pending:  # the prompt's blocks are now cached: share them
                 self.scheduler.add_request(pending)

@@ -26,6 +26,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it ended with "error", when it failed alone
     num_tokens_seen: int = 0  # output tokens taken by add_token so far
 
     def new_token_ids(self) -> list[int]:
@@ -92,6 +93,7 @@ class Sequence:
         return CompletionOutput(index=self.index, text=self.visible_text(),
                                 token_ids=list(self.request.output_token_ids),
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                error=self.error,
                                 logprobs=None if self.logprobs is None else list(self.logprobs),
                                 cumulative_logprob=(self.cumulative_logprob
                                                     if self.logprobs is not None else None))

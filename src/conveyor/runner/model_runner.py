@@ -169,7 +169,12 @@ class ModelRunner:
             result.sampled_token_ids[s.request_id] = tokens
             if logprobs[0] is not None:
                 result.logprobs[s.request_id] = logprobs  # type: ignore[assignment]
-            if (matcher := self.matchers.get(s.request_id)) is not None:
+            if (matcher := self.matchers.get(s.request_id)) is None:
+                continue
+            if matcher.is_error():  # its mask failed (out of fuel): the engine ends it
+                why = matcher.get_error().split("\n", 1)[0]  # then a dump of its state
+                result.errors[s.request_id] = f"structured output failed: {why}"
+            else:  # (EOS after the grammar's end leaves the matcher "stopped in consume")
                 matcher.consume_tokens(tokens)
         return result
 

@@ -24,6 +24,7 @@ from conveyor.server.common import (
     on_stream_error,
     sampling_params,
     sse,
+    sse_failures,
     stream_usage,
     submit,
     unless_disconnected,
@@ -205,7 +206,7 @@ def _choice(c: CompletionOutput, num_top: int, parser: HermesToolParser | None) 
     content, calls = parser.parse(c.text) if parser is not None else (c.text, [])
     message = AssistantMessage(content=content, tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-        for call in calls])
+        for call in calls] or None)
     return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, 0, num_top),
                       finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                       stop_reason=c.stop_reason)
@@ -244,6 +245,8 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
     if include_usage and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                       choices=[], usage=usage([final])).model_dump_json())
+    if final is not None and (failures := sse_failures([final])):
+        yield failures
 
 
 @dataclass
@@ -266,11 +269,10 @@ class _ChoiceStream:
             delta = c.text[self.sent_chars:]
             self.sent_chars = len(c.text)
         else:
-            delta, new_calls = self.tools.update(c.text, finished)
-            calls = [DeltaToolCall(index=i, id=call.id, type="function",
-                                   function=DeltaFunctionCall(name=call.name,
-                                                              arguments=call.arguments))
-                     for i, call in new_calls]
+            delta, news = self.tools.update(c.text, finished)
+            calls = [DeltaToolCall(index=n.index, id=n.id, type="function" if n.id else None,
+                                   function=DeltaFunctionCall(name=n.name, arguments=n.arguments))
+                     for n in news]
             self.made_calls = self.made_calls or bool(calls)
         if not delta and not calls and not finished:
             return None

@@ -142,6 +142,18 @@ def sse_error(exc: BaseException, request_id: str) -> str:
     return sse(error_body(error.message, error.type, error.param, error.code))
 
 
+def sse_failures(finals: list[RequestOutput]) -> str:
+    """The error event that ends a stream some of whose choices failed alone (finish_reason
+    "error" with a reason: their grammar ran out of fuel), after their last chunks: the
+    stream's one place for the reason (a non-streamed answer has only the finish_reason).
+    Empty when none did."""
+    reasons = [c.error for final in finals for c in final.outputs if c.error is not None]
+    if not reasons:
+        return ""
+    return sse(error_body("; ".join(reasons), "invalid_request_error", None,
+                          "structured_output_failed"))
+
+
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come; errors propagate."""
     if len(streams) == 1:

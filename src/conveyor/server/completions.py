@@ -26,6 +26,7 @@ from conveyor.server.common import (
     on_stream_error,
     sampling_params,
     sse,
+    sse_failures,
     stream_usage,
     submit,
     unless_disconnected,
@@ -169,3 +170,5 @@ async def _stream(state: ServerState, prep: _Prepared,
                                      model=state.model_name, choices=[],
                                      usage=usage([finals[i] for i in sorted(finals)]))
                   .model_dump_json())
+    if failures := sse_failures(list(finals.values())):
+        yield failures

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.config import _require
+from conveyor.server.tools import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-TOOL_CALL_PARSERS = ("hermes",)  # server/tools.py TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class ServerConfig:
                  "max_queued_requests", ">= 1 (or unset)", self.max_queued_requests)
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", ">= 1",
                  self.max_request_body_bytes)
-        _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS), "tool_call_parser",
-                 f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
+        _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS,
+                 "tool_call_parser", f"one of {', '.join(TOOL_PARSERS)}", self.tool_call_parser)
         for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_read_headers",
                      "timeout_read_body"):
             value = getattr(self, name)

@@ -28,7 +28,8 @@ _HERMES_SYSTEM = (
 
 @dataclass(frozen=True)
 class ParsedToolCall:
-    """One call the model made: the function's name and its arguments as JSON text."""
+    """One call the model made: the function's name and its arguments as the model wrote
+    them (JSON text; cut short where the output or the block ended first)."""
 
     name: str
     arguments: str
@@ -41,6 +42,75 @@ def tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     return function
 
 
+_DECODER = json.JSONDecoder()
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def _skip_space(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
+
+
+def _read(text: str, i: int) -> tuple[Any, int | None]:
+    """The JSON value at ``text[i:]`` and where it ends; (None, None) when it is not
+    complete there (or not JSON)."""
+    try:
+        return _DECODER.raw_decode(text, i)
+    except json.JSONDecodeError:
+        return None, None
+
+
+def scan_call(body: str) -> tuple[str | None, str]:
+    """(name, arguments text) of a tool call's JSON object, as far as ``body`` goes.
+
+    Python's JSON decoder reads each key and value in turn; the arguments are the raw text
+    of the "arguments" (or "parameters") value: all of it once the decoder reads it whole,
+    else what is written of it so far (trailing whitespace held back); ``{}`` when the
+    object closed without one. No name: not a call. A grown ``body`` never changes a name
+    once read, and its arguments text starts with the shorter one's: streaming relies on
+    that."""
+    i = _skip_space(body, 0)
+    if not body.startswith("{", i):
+        return None, ""
+    name: str | None = None
+    arguments: str | None = None
+    i += 1
+    while True:
+        i = _skip_space(body, i)
+        if body.startswith("}", i):
+            return name, "{}" if arguments is None else arguments
+        if body.startswith(",", i):
+            i = _skip_space(body, i + 1)
+        key, end = _read(body, i)
+        if end is None or not isinstance(key, str):
+            break
+        i = _skip_space(body, end)
+        if not body.startswith(":", i):
+            break
+        i = _skip_space(body, i + 1)
+        wanted = key in _ARGUMENT_KEYS and arguments is None
+        value, end = _read(body, i)
+        if end is None:  # not complete yet (or never: not JSON)
+            arguments = body[i:].rstrip() if wanted else arguments
+            break
+        if key == "name" and name is None and isinstance(value, str):
+            name = value
+        elif wanted:
+            arguments = body[i:end]
+        i = end
+    return name, arguments or ""
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that could be the start of ``tag``."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
 class HermesToolParser:
     """`<tool_call>{json}</tool_call>` blocks, any text before the first one is content."""
 
@@ -48,24 +118,28 @@ class HermesToolParser:
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls) of a finished output. Blocks that are not a JSON call are
-        dropped; with no call at all the whole text is content."""
-        calls = self.complete_calls(text)
+        """(content, calls) of a finished output: each block whose JSON names a function
+        is a call (one the output ended in too: its arguments are cut short, as OpenAI's
+        are on "length"); with no call at all the whole text is content."""
+        calls = self.calls(text, finished=True)
         content = text[:text.find(self.start)] if calls else text
         return content or None, calls
 
-    def complete_calls(self, text: str) -> list[ParsedToolCall]:
-        calls = []
+    def calls(self, text: str, finished: bool) -> list[ParsedToolCall]:
+        """The calls in the text so far: closed blocks, then an open one at the end
+        (while the text grows, without a tail that could start its `</tool_call>`)."""
+        bodies: list[str] = []
+        pos = 0
         for match in self._block.finditer(text):
-            try:
-                call = json.loads(match.group(1))
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                continue
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append(ParsedToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
-        return calls
+            bodies.append(match.group(1))
+            pos = match.end()
+        open_at = text.find(self.start, pos)
+        if open_at != -1:
+            body = text[open_at + len(self.start):]
+            bodies.append(body if finished else body[:len(body) - _partial_tag(body, self.end)])
+        scanned = (scan_call(body) for body in bodies)
+        return [ParsedToolCall(name, arguments) for name, arguments in scanned
+                if name is not None]
 
     def streamable_content(self, text: str) -> str:
         """The prefix of a growing text that is content whatever comes next: up to the
@@ -73,10 +147,7 @@ class HermesToolParser:
         first = text.find(self.start)
         if first != -1:
             return text[:first]
-        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-keep:]):
-                return text[:-keep]
-        return text
+        return text[:len(text) - _partial_tag(text, self.start)]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar (llguidance's, `%json` embeds a schema) for one or more calls of
@@ -110,6 +181,7 @@ class HermesToolParser:
         return f"{self.start}\n{body}\n{self.end}"
 
 
+# --tool-call-parser's choices (ServerConfig checks the flag against these names).
 TOOL_PARSERS = {"hermes": HermesToolParser}
 
 
@@ -172,26 +244,45 @@ def _native_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """What one streamed chunk says of call ``index``: its first carries the id and the
+    name (and the arguments so far), later ones the arguments' next characters."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 @dataclass
 class ToolCallStream:
-    """One streamed choice's tool calls: content as soon as it cannot start a call, each
-    call once its block is complete. The stream's content and calls concatenate to exactly
-    ``parser.parse(final_text)``: what the choice streamed is always a prefix of that."""
+    """One streamed choice's tool calls: content as soon as it cannot start a call, a call
+    once its name is read, then its arguments as the model writes them. Concatenated, the
+    stream's content and each call's arguments equal ``parser.parse(final_text)``: what was
+    streamed is always a prefix of that (``scan_call``)."""
 
     parser: HermesToolParser
     sent_content: int = 0
-    sent_calls: int = 0
+    sent_arguments: list[int] = field(default_factory=list)  # characters sent, per call
 
-    def update(self, text: str, finished: bool) -> tuple[str, list[tuple[int, ParsedToolCall]]]:
-        """(new content, new calls with their index) for the text so far."""
+    def update(self, text: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """(new content, the calls' news) for the text so far."""
         if finished:
             content, calls = self.parser.parse(text)
             content = content or ""
         else:
             content = self.parser.streamable_content(text)
-            calls = self.parser.complete_calls(text)
+            calls = self.parser.calls(text, finished=False)
         delta = content[self.sent_content:]
         self.sent_content = max(self.sent_content, len(content))
-        new = list(enumerate(calls))[self.sent_calls:]
-        self.sent_calls = max(self.sent_calls, len(calls))
-        return delta, new
+        news = []
+        for i, call in enumerate(calls):
+            if i == len(self.sent_arguments):
+                news.append(ToolCallDelta(i, call.id, call.name, call.arguments))
+                self.sent_arguments.append(len(call.arguments))
+            elif len(call.arguments) > self.sent_arguments[i]:
+                news.append(ToolCallDelta(i, None, None,
+                                          call.arguments[self.sent_arguments[i]:]))
+                self.sent_arguments[i] = len(call.arguments)
+        return delta, news

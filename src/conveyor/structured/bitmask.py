@@ -40,7 +40,9 @@ class BitmaskFiller:
             if m.is_error():  # llguidance ran out of fuel or was fed a token it refused:
                 logger.warning("grammar matcher failed, ending its request: %s",
                                m.get_error())
-                bitmask[i] = 0  # only EOS remains
+                # EOS only, a placeholder: the runner reports the error and the engine ends
+                # the request with finish_reason "error", dropping the token
+                bitmask[i] = 0
                 for t in self.eos_token_ids:
                     bitmask[i, t // BITS] |= 1 << (t % BITS)
         return bitmask
