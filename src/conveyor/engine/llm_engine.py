@@ -32,6 +32,7 @@ from conveyor.model.llama import build_model
 from conveyor.model.loader import load_checkpoint
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
+from conveyor.runner.draft import DraftModelProposer, load_draft_model
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.compiler import GrammarCompiler, GrammarError, GrammarStats
@@ -70,22 +71,24 @@ class LLMEngine:
         self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
         cache_config = args.cache_config()
         sched = self.scheduler_config
+        self.speculative_config = args.spec_config()
+        draft = load_draft_model(self.speculative_config, args, self.model_config,
+                                 self.tokenizer, self.dtype, self.device, sched.max_model_len)
         self.kv_layout = KVCacheLayout.from_budget(self.model_config, cache_config, self.dtype,
-                                                   swap=sched.preemption == "swap")
+                                                   swap=sched.preemption == "swap",
+                                                   draft=draft.config if draft is not None else None)
         kv_manager = KVCacheManager(
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
             reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
-        self.speculative_config = args.spec_config()
-        if self.speculative_config is not None and \
-                self.speculative_config.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; "
-                             "use 'ngram'")
         self.scheduler = Scheduler(sched, kv_manager, speculative=self.speculative_config)
         self.grammars = (GrammarCompiler(self.tokenizer, args.grammar_compile_timeout,
                                          args.max_grammar_bytes)
                          if self.tokenizer is not None else None)
-        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars)
+        drafter = (DraftModelProposer(draft, self.kv_layout, self.device)
+                   if draft is not None else None)
+        self.runner = ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars,
+                                  drafter)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -110,9 +113,11 @@ class LLMEngine:
         swap = (f"; swap space: {layout.num_swap_blocks} blocks, "
                 f"{layout.num_swap_bytes / 2**20:.1f} MiB of host memory"
                 if layout.num_swap_blocks else "")
+        draft = (f" ({layout.draft_bytes_per_token} of them the draft model's)"
+                 if layout.draft_bytes_per_token else "")
         return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
                 f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
-                f"{layout.bytes_per_token} bytes/token; {fits:.1f} sequences of "
+                f"{layout.bytes_per_token} bytes/token{draft}; {fits:.1f} sequences of "
                 f"max_model_len={max_len} fit{swap} (all of it written at start)")
 
     def stats(self) -> EngineStats:
@@ -393,6 +398,6 @@ class LLMEngine:
 
 def _step_kind(s: ScheduledRequest) -> str:
     """A traced request-step: "verify" (a decode with drafts), "decode" or "prefill"."""
-    if s.spec_token_ids:
+    if s.num_spec_tokens:
         return "verify"
     return "decode" if s.num_new_tokens == 1 and s.num_computed_tokens else "prefill"
