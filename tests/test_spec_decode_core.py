@@ -191,11 +191,11 @@ DRAFT = SpeculativeConfig(method="draft_model", model="draft.gguf", num_speculat
 def test_draft_model_drafts_are_left_to_the_runner() -> None:
     """method draft_model: the scheduler decides how many drafts each decode verifies and
     gives them slots, with no ids (the runner's draft model proposes them; here the fake
-    runner's draft_fn, right except every 4th output). Prompts without any repetition draft
+    runner's draft_fn, right except every 5th output). Prompts without any repetition draft
     too; outputs equal speculation off, rejected slots come back, nothing leaks."""
     requests = [(f"r{i}", list(range(100 + 40 * i, 130 + 40 * i)), 25, {}) for i in range(3)]
     token_fn = lambda rid, i: 700 + i  # noqa: E731
-    draft_fn = lambda rid, i: 700 + i if i % 4 else 0  # noqa: E731
+    draft_fn = lambda rid, i: 0 if i % 5 == 4 else 700 + i  # noqa: E731
     off, _ = run_outputs(None, requests, token_fn=token_fn)
     on, h = run_outputs(DRAFT, requests, token_fn=token_fn, draft_fn=draft_fn, block_size=4)
     assert on == off

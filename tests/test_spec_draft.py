@@ -75,7 +75,7 @@ def perturbed_draft(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """The tiny Llama's weights plus noise: it agrees with the target on most tokens."""
     gen = torch.Generator().manual_seed(5)
     return copy_model(tiny_llama_dir, tmp_path_factory.mktemp("tiny-draft-perturbed"),
-                      lambda weights: {name: w + 0.06 * torch.randn(w.shape, generator=gen)
+                      lambda weights: {name: w + 0.005 * torch.randn(w.shape, generator=gen)
                                        for name, w in weights.items()})
 
 
