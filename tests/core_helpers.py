@@ -10,17 +10,18 @@ Like the real runner it keeps a request's tokens across a preemption (``new_requ
 them on resume), and verifies drafted tokens (``spec_token_ids``) greedily: the token at each
 row is ``token_fn``'s, a draft is kept while it equals it. A draft's slot gets the key of the
 prefix *with the drafts*: a rejected draft's KV published to the prefix cache would then fail
-a later hit's check.
+a later hit's check. A verify whose drafts the scheduler left to the runner (method
+draft_model: ``num_spec_tokens`` without ids) gets them from ``draft_fn``, the fake draft model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
@@ -55,9 +56,11 @@ def _prefix_keys(tokens: Sequence[int]) -> list[int]:
 class FakeRunner:
     """Plays the model runner: shadow KV writes/reads, the sampled (and accepted) tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn) -> None:
+    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn,
+                 draft_fn: TokenFn | None = None) -> None:
         self.block_size = block_size
         self.token_fn = token_fn
+        self.draft_fn = draft_fn
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
         self.num_prompt: dict[str, int] = {}
@@ -77,7 +80,8 @@ class FakeRunner:
             self.num_prompt[new.request_id] = new.num_prompt_tokens
             self.stale.discard(new.request_id)
         keys = {}
-        for item in out.scheduled:  # write this step's K/V first ...
+        scheduled = [self._with_drafts(item) for item in out.scheduled]
+        for item in scheduled:  # write this step's K/V first ...
             assert item.request_id in self.tokens, f"runner never saw {item.request_id}"
             assert item.request_id not in self.stale, f"{item.request_id} resumed without data"
             tokens = self.tokens[item.request_id]
@@ -88,7 +92,7 @@ class FakeRunner:
                 block, offset = self._slot(item.block_ids, pos)
                 self.slots[block][offset] = keys[item.request_id][pos]
         sampled = {}
-        for item in out.scheduled:  # ... then attend over the whole prefix
+        for item in scheduled:  # ... then attend over the whole prefix
             request_keys = keys[item.request_id]
             for pos, key in enumerate(request_keys):
                 block, offset = self._slot(item.block_ids, pos)
@@ -101,6 +105,16 @@ class FakeRunner:
                 sampled[item.request_id] = self._verify(item.request_id, item.spec_token_ids)
                 tokens.extend(sampled[item.request_id])
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _with_drafts(self, item: ScheduledRequest) -> ScheduledRequest:
+        """A verify with its drafts: the scheduler's, or the fake draft model's."""
+        assert len(item.spec_token_ids) in (0, item.num_spec_tokens)
+        if not item.num_spec_tokens or item.spec_token_ids:
+            return item
+        assert self.draft_fn is not None, f"{item.request_id}: drafts but no draft model"
+        index = len(self.tokens[item.request_id]) - self.num_prompt[item.request_id]
+        return replace(item, spec_token_ids=[self.draft_fn(item.request_id, index + i)
+                                             for i in range(item.num_spec_tokens)])
 
     def _verify(self, request_id: str, drafts: list[int]) -> list[int]:
         """The accepted drafts and the token after them (greedy verification)."""
@@ -132,7 +146,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert item.num_new_tokens >= 1
         assert item.num_computed_tokens == request.num_computed_tokens
         end = item.num_computed_tokens + item.num_new_tokens
-        num_drafts = len(item.spec_token_ids)
+        num_drafts = item.num_spec_tokens
+        assert len(item.spec_token_ids) in (0, num_drafts)
         assert end - num_drafts <= request.num_tokens
         assert item.samples == (end - num_drafts == request.num_tokens)
         assert not num_drafts or item.num_new_tokens == num_drafts + 1, "drafts on a chunk"
@@ -191,10 +206,11 @@ class Harness:
 
 def make_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
                  token_fn: TokenFn = default_token_fn,
-                 speculative: SpeculativeConfig | None = None, **config: object) -> Harness:
+                 speculative: SpeculativeConfig | None = None,
+                 draft_fn: TokenFn | None = None, **config: object) -> Harness:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     sched = Scheduler(SchedulerConfig(**config), kv, speculative=speculative)  # type: ignore[arg-type]
-    return Harness(sched, FakeRunner(num_blocks, block_size, token_fn))
+    return Harness(sched, FakeRunner(num_blocks, block_size, token_fn, draft_fn))
 
 
 def scripted(tokens: dict[str, list[int]], default: int = OUTPUT_TOKEN_BASE) -> TokenFn:

@@ -182,3 +182,28 @@ def test_cost_model_turns_speculation_off_when_steps_are_compute_bound() -> None
         memory_bound.record_step(tokens, 0.020 + 0.00001 * tokens)
     memory_bound.begin_step(4, 4)
     assert memory_bound.num_to_draft(request, 8) == 4
+
+
+# ---------------------------------------------------------------- draft model
+DRAFT = SpeculativeConfig(method="draft_model", model="draft.gguf", num_speculative_tokens=3)
+
+
+def test_draft_model_drafts_are_left_to_the_runner() -> None:
+    """method draft_model: the scheduler decides how many drafts each decode verifies and
+    gives them slots, with no ids (the runner's draft model proposes them; here the fake
+    runner's draft_fn, right except every 5th output). Prompts without any repetition draft
+    too; outputs equal speculation off, rejected slots come back, nothing leaks."""
+    requests = [(f"r{i}", list(range(100 + 40 * i, 130 + 40 * i)), 25, {}) for i in range(3)]
+    token_fn = lambda rid, i: 700 + i  # noqa: E731
+    draft_fn = lambda rid, i: 0 if i % 5 == 4 else 700 + i  # noqa: E731
+    off, _ = run_outputs(None, requests, token_fn=token_fn)
+    on, h = run_outputs(DRAFT, requests, token_fn=token_fn, draft_fn=draft_fn, block_size=4)
+    assert on == off
+    verifies = [s for out in h.outputs for s in out.scheduled if s.num_spec_tokens]
+    assert verifies and all(not s.spec_token_ids and s.num_new_tokens == s.num_spec_tokens + 1
+                            for s in verifies)
+    stats = h.sched.spec.stats
+    assert sum(s.num_spec_tokens for s in verifies) == stats.num_draft_tokens
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[2] > 0
+    assert len(h.outputs) < 25

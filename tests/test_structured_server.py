@@ -282,7 +282,7 @@ def test_tool_calls_whole_and_streamed_agree(server: ServerProcess, tool_choice:
     whole = message["message"]
     assert content == whole["content"]
     assert calls == [(c["function"]["name"], c["function"]["arguments"])
-                     for c in whole["tool_calls"]]
+                     for c in whole.get("tool_calls", [])]  # left out when there are none
     assert finish == message["finish_reason"]
     if tool_choice == "auto":
         return  # the model may answer in text; what it did is the same either way

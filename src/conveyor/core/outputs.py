@@ -42,6 +42,10 @@ class ScheduledRequest:
     # Drafted tokens to verify (speculative decoding), already counted in num_new_tokens and
     # given KV slots: the step computes the request's last token plus these. Never part of
     # the request's tokens (nor of the prefix cache) until the runner accepts them.
+    num_spec_tokens: int = 0
+    # Their ids when the scheduler proposed them (method ngram). Empty with a draft model
+    # (method draft_model): the runner's draft model proposes num_spec_tokens tokens at the
+    # start of the step, before the target model verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
 
 

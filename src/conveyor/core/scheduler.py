@@ -168,10 +168,9 @@ class Scheduler:
         for request in decodes:
             # The drafts and the token sampled after them stay within max_tokens.
             limit = min(step.budget, request.max_tokens - request.num_output_tokens - 1)
-            drafts = self.spec.propose(request, limit) if limit > 0 else []
-            if drafts and (table := self.kv_cache.allocate_slots(
-                    request, 1 + len(drafts))) is not None:
-                step.add_drafts(request, drafts, table)
+            num, drafts = self.spec.propose(request, limit) if limit > 0 else (0, [])
+            if num and (table := self.kv_cache.allocate_slots(request, 1 + num)) is not None:
+                step.add_drafts(request, num, drafts, table)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         if not self._may_admit():
@@ -307,7 +306,7 @@ class Scheduler:
     def _advance(self, request: Request, item: ScheduledRequest, tokens: list[int]) -> None:
         """Take one step's result: its computed tokens (the rejected drafts' KV does not
         count), the tokens sampled in order up to a stop, the rejected drafts' blocks back."""
-        num_drafts = len(item.spec_token_ids)
+        num_drafts = item.num_spec_tokens
         assert len(tokens) <= num_drafts + 1, f"{item.request_id}: more tokens than drafts + 1"
         num_accepted = max(len(tokens) - 1, 0)
         request.num_computed_tokens += item.num_new_tokens - num_drafts + num_accepted
@@ -366,12 +365,15 @@ class _StepBuilder:
             num_computed_tokens=request.num_computed_tokens, block_ids=list(block_table),
             samples=samples)
 
-    def add_drafts(self, request: Request, drafts: list[int], block_table: list[int]) -> None:
-        """The request's scheduled decode verifies ``drafts`` too."""
+    def add_drafts(self, request: Request, num: int, drafts: list[int],
+                   block_table: list[int]) -> None:
+        """The request's scheduled decode verifies ``num`` drafts too: ``drafts``, or tokens
+        the runner's draft model proposes (``drafts`` empty)."""
         item = self.scheduled[request.request_id]
-        self.budget -= len(drafts)
-        self.policy.on_scheduled(request, len(drafts))
-        item.num_new_tokens += len(drafts)
+        self.budget -= num
+        self.policy.on_scheduled(request, num)
+        item.num_new_tokens += num
+        item.num_spec_tokens = num
         item.spec_token_ids = list(drafts)
         item.block_ids = list(block_table)
 

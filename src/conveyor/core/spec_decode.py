@@ -1,10 +1,12 @@
 """Speculative decoding, the scheduler's side: who drafts how many tokens. Layer 0: stdlib.
 
 A running request whose next step is a plain decode may verify drafted tokens in the same
-step: the scheduler proposes them (n-gram prompt lookup over the request's own verified
-tokens), counts them against the step's token budget and allocates their KV slots; the
-runner computes the k+1 tokens as one chunk, keeps the accepted drafts plus one token it
-samples, and the scheduler gives back the slots the rejected drafts held.
+step: the scheduler proposes them (method ngram: prompt lookup over the request's own
+verified tokens; method draft_model: only their number, the runner's draft model proposes
+the tokens at the start of the step), counts them against the step's token budget and
+allocates their KV slots; the runner computes the k+1 tokens as one chunk, keeps the
+accepted drafts plus one token it samples, and the scheduler gives back the slots the
+rejected drafts held.
 
 How many tokens to draft is decided per request and per step from two measurements:
 
@@ -140,7 +142,10 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # A draft model runs in the runner (it proposes at the start of the step): here only
+        # the number of its drafts is decided.
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
         self.cost = StepCostModel()
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._requests: dict[str, _RequestSpec] = {}
@@ -165,9 +170,14 @@ class SpecDecoder:
             k += 1
         return k
 
-    def propose(self, request: Request, limit: int) -> list[int]:
+    def propose(self, request: Request, limit: int) -> tuple[int, list[int]]:
+        """(how many drafts ``request`` verifies this step, their ids): the n-gram match, or
+        no ids for a draft model, whose drafts the runner proposes."""
         k = self.num_to_draft(request, limit)
-        return self.proposer.propose(request.all_token_ids, k) if k else []
+        if not k or self.proposer is None:
+            return k, []
+        drafts = self.proposer.propose(request.all_token_ids, k)
+        return len(drafts), drafts
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """One verify's outcome: ``num_accepted`` of ``num_drafted`` drafts were kept."""

@@ -29,11 +29,12 @@ from conveyor.engine.stats import (
     spec_decode_fields,
 )
 from conveyor.model.device import resolve_device, resolve_dtype
-from conveyor.model.llama import load_model
+from conveyor.model.llama import CausalLM, load_model
 from conveyor.model.loader import Checkpoint, load_checkpoint
 from conveyor.model.parallel import ShardPlan, check_tensor_parallel
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
+from conveyor.runner.draft import DraftModelProposer, load_draft_model
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.runner.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from conveyor.sampling_params import SamplingParams
@@ -73,25 +74,28 @@ class LLMEngine:
         self.scheduler_config = args.scheduler_config(self.model_config.max_position_embeddings)
         cache_config = args.cache_config()
         sched = self.scheduler_config
+        self.speculative_config = args.spec_config()
+        if tp_size > 1 and self.speculative_config is not None \
+                and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config.method draft_model does not run with "
+                             "tensor_parallel_size > 1 yet")
+        draft = load_draft_model(self.speculative_config, args, self.model_config,
+                                 self.tokenizer, self.dtype, self.device, sched.max_model_len)
         # Every rank's cache has the same blocks, sized by the rank with the most KV heads.
         self.kv_layout = KVCacheLayout.from_budget(
             ShardPlan(self.model_config, 0, tp_size).cache_config() if tp_size > 1
-            else self.model_config, cache_config, self.dtype, swap=sched.preemption == "swap")
+            else self.model_config, cache_config, self.dtype, swap=sched.preemption == "swap",
+            draft=draft.config if draft is not None else None)
         kv_manager = KVCacheManager(
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,
             reserve_tokens=sched.max_model_len if sched.kv_allocation == "reserve" else None)
-        self.speculative_config = args.spec_config()
-        if self.speculative_config is not None and \
-                self.speculative_config.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; "
-                             "use 'ngram'")
         self.scheduler = Scheduler(sched, kv_manager, speculative=self.speculative_config)
         self.grammars = (GrammarCompiler(self.tokenizer, args.grammar_compile_timeout,
                                          args.max_grammar_bytes)
                          if self.tokenizer is not None else None)
         self.executor: TensorParallelExecutor | None = None
-        self.runner = self._build_runner(checkpoint)
+        self.runner = self._build_runner(checkpoint, draft)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -109,13 +113,18 @@ class LLMEngine:
                     self.device, time.perf_counter() - t0)
         logger.info(self.capacity_summary())
 
-    def _build_runner(self, checkpoint: Checkpoint) -> ModelRunner | TensorParallelExecutor:
+    def _build_runner(self, checkpoint: Checkpoint, draft: CausalLM | None
+                      ) -> ModelRunner | TensorParallelExecutor:
         """The model runner; with tensor parallelism, rank 0's inside the executor that
         runs every rank (the other ranks load their shards while this one loads its own)."""
         args = self.args
         if self.parallel_config.tensor_parallel_size == 1:
             model = load_model(checkpoint, args, self.device, self.dtype)
-            return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars)
+            drafter = (DraftModelProposer(draft, self.kv_layout, self.device)
+                       if draft is not None else None)
+            return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars,
+                               drafter=drafter)
+
         self.executor = executor = TensorParallelExecutor.start(
             args, self.model_config, self.device, self.dtype, self.kv_layout)
         weakref.finalize(self, executor.shutdown)
@@ -137,9 +146,11 @@ class LLMEngine:
         tp = self.parallel_config.tensor_parallel_size
         ranks = (f" on each of {tp} tensor-parallel ranks (its KV heads only; the rank with "
                  "the most heads sets the blocks)" if tp > 1 else "")
+        draft = (f" ({layout.draft_bytes_per_token} of them the draft model's)"
+                 if layout.draft_bytes_per_token else "")
         return (f"KV cache: {layout.num_blocks} blocks x {layout.block_size} tokens = "
                 f"{layout.num_tokens} tokens, {layout.num_bytes / 2**20:.1f} MiB, "
-                f"{layout.bytes_per_token} bytes/token{ranks}; {fits:.1f} sequences of "
+                f"{layout.bytes_per_token} bytes/token{draft}{ranks}; {fits:.1f} sequences of "
                 f"max_model_len={max_len} fit{swap} (all of it written at start)")
 
     def shutdown(self) -> None:
@@ -455,6 +466,6 @@ class LLMEngine:
 
 def _step_kind(s: ScheduledRequest) -> str:
     """A traced request-step: "verify" (a decode with drafts), "decode" or "prefill"."""
-    if s.spec_token_ids:
+    if s.num_spec_tokens:
         return "verify"
     return "decode" if s.num_new_tokens == 1 and s.num_computed_tokens else "prefill"

@@ -29,6 +29,7 @@ from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
 if TYPE_CHECKING:
+    from conveyor.runner.draft import DraftModelProposer
     from conveyor.structured.compiler import GrammarCompiler
 
 
@@ -41,6 +42,9 @@ class KVCacheLayout:
     bytes_per_token: int
     num_swap_blocks: int = 0  # host blocks for swap preemption
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8"
+    # Of bytes_per_token, the draft model's own K/V (speculative decoding with a draft
+    # model): its cache has the same blocks, so the budget pays both per token.
+    draft_bytes_per_token: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -56,30 +60,64 @@ class KVCacheLayout:
 
     @classmethod
     def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                    swap: bool = False) -> KVCacheLayout:
-        if cache.kv_cache_dtype == "int8" and model.head_dim % 4:
-            raise ValueError(f"kv_cache_dtype='int8' needs a head_dim divisible by 4, the "
-                             f"model's is {model.head_dim}")
+                    swap: bool = False, draft: ModelConfig | None = None) -> KVCacheLayout:
+        """Blocks of the budget; with a ``draft`` model, a block holds both models' K/V."""
         if cache.kv_cache_dtype == "int8" and cache.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' needs a block_size divisible by 16, got "
                              f"{cache.block_size}")
-        element, shape = kv_cache_shape(1, cache.block_size, model.num_key_value_heads,
-                                        model.head_dim, cache.kv_cache_dtype, dtype)
-        per_token = model.num_hidden_layers * math.prod(shape) * element.itemsize \
-            // cache.block_size
+        draft_per_token = 0 if draft is None else \
+            _kv_bytes_per_token(draft, cache, dtype, "the draft model's (speculative_config."
+                                "model)")
+        per_token = _kv_bytes_per_token(model, cache, dtype, "the model's") + draft_per_token
         num_blocks = cache.kv_cache_memory // (per_token * cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
                              f"{cache.block_size} tokens at {per_token} bytes per token")
         num_swap = cache.swap_space // (per_token * cache.block_size) if swap else 0
-        return cls(num_blocks, cache.block_size, per_token, num_swap, cache.kv_cache_dtype)
+        return cls(num_blocks, cache.block_size, per_token, num_swap, cache.kv_cache_dtype,
+                   draft_per_token)
+
+
+def _kv_bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                        whose: str) -> int:
+    if cache.kv_cache_dtype == "int8" and model.head_dim % 4:
+        raise ValueError(f"kv_cache_dtype='int8' needs a head_dim divisible by 4, {whose} is "
+                         f"{model.head_dim}")
+    element, shape = kv_cache_shape(1, cache.block_size, model.num_key_value_heads,
+                                    model.head_dim, cache.kv_cache_dtype, dtype)
+    return model.num_hidden_layers * math.prod(shape) * element.itemsize // cache.block_size
+
+
+def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s paged K/V on ``device`` and its host swap space (indexed alike), zeroed.
+
+    [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
+    block_size * (D + 4)], see conveyor.ops.reference)."""
+    cfg = model.config
+
+    def cache(num_blocks: int, device: torch.device | str, **kwargs: Any) -> torch.Tensor:
+        dtype, shape = kv_cache_shape(num_blocks, layout.block_size, cfg.num_key_value_heads,
+                                      cfg.head_dim, layout.kv_cache_dtype,
+                                      model.embed_tokens.weight.dtype)
+        tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
+                             **kwargs)
+        # Pre-fault: write every page now. An allocator may hand out untouched pages (mmap,
+        # calloc) that the OS backs only when first written, i.e. as the free list cycles
+        # through the blocks under load: memory would then grow for hours and a machine
+        # without it would fail late. Written here, the memory the engine logs at start is
+        # the memory it holds, and too little fails at start.
+        return tensor.zero_()
+
+    return cache(layout.num_blocks, device), cache(
+        layout.num_swap_blocks, "cpu",
+        pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  seed: int = 0, grammars: GrammarCompiler | None = None,
-                 sampling: bool = True) -> None:
-        cfg = model.config
+                 sampling: bool = True, drafter: DraftModelProposer | None = None) -> None:
         self.model = model
         # False on tensor-parallel ranks other than 0: they run the model (its collectives)
         # and keep the tokens in step with rank 0's samples (``add_sampled``), but rank 0
@@ -87,26 +125,10 @@ class ModelRunner:
         self.sampling = sampling
         self.device = device
         self.block_size = layout.block_size
-
-        def cache(num_blocks: int, device: torch.device | str, **kwargs: Any) -> torch.Tensor:
-            dtype, shape = kv_cache_shape(num_blocks, layout.block_size,
-                                          cfg.num_key_value_heads, cfg.head_dim,
-                                          layout.kv_cache_dtype, model.embed_tokens.weight.dtype)
-            tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
-                                 **kwargs)
-            # Pre-fault: write every page now. An allocator may hand out untouched pages
-            # (mmap, calloc) that the OS backs only when first written, i.e. as the free
-            # list cycles through the blocks under load: memory would then grow for hours
-            # and a machine without it would fail late. Written here, the memory the engine
-            # logs at start is the memory it holds, and too little fails at start.
-            return tensor.zero_()
-
-        # [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
-        # block_size * (D + 4)], see conveyor.ops.reference)
-        self.kv_caches = cache(layout.num_blocks, device)
-        # Host copies of swapped-out blocks, indexed like kv_caches
-        self.swap_space = cache(layout.num_swap_blocks, "cpu",
-                                pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
+        # kv_caches, and the host copies of swapped-out blocks, indexed like them
+        self.kv_caches, self.swap_space = allocate_kv_caches(model, layout, device)
+        # Speculative decoding with a draft model: its own K/V under the same block tables
+        self.drafter = drafter
         self.sampler = Sampler(device, seed, for_device(device))
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
@@ -122,6 +144,8 @@ class ModelRunner:
         start; ``conveyor.ops.reference`` for a comparison)."""
         self.model.use_ops(ops)
         self.sampler.ops = ops
+        if self.drafter is not None:
+            self.drafter.model.use_ops(ops)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -136,6 +160,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         # Decodes first: the attention backend batches them together.
         batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
+        if self.drafter is not None:  # it computes the step's tokens too, and the drafts
+            batch = self.drafter.propose(batch, self._prepare)
         input_ids, positions, meta = self._prepare(batch)
         samplers = [s for s in batch if s.samples]
         masks = self._start_bitmasks(samplers)  # filled while the forward pass runs
@@ -155,7 +181,10 @@ class ModelRunner:
             constrained, bitmask = masks
             first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
             apply_token_bitmask(logits, bitmask.result(), [int(first[i]) for i in constrained])
-        return self._sampled(samplers, logits)
+        result = self._sampled(samplers, logits)
+        if self.drafter is not None:  # the draft KV of wholly accepted drafts' last token
+            self.drafter.complete(samplers, result)
+        return result
 
     def _sampled(self, samplers: list[ScheduledRequest], logits: torch.Tensor
                  ) -> ModelRunnerOutput:
@@ -217,15 +246,19 @@ class ModelRunner:
         return rows, self._bitmasks.start(matchers)
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
-        """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused."""
+        """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused.
+        The draft model's K/V (if any) move with the target's: same blocks, own tensors."""
+        caches = [(self.kv_caches, self.swap_space)]
+        if self.drafter is not None:
+            caches.append((self.drafter.kv_caches, self.drafter.swap_space))
         if out.swap_out:
             dev, host = (torch.tensor(x, device=self.device) for x in zip(*out.swap_out, strict=True))
-            self.swap_space[:, :, host.to(self.swap_space.device)] = \
-                self.kv_caches[:, :, dev].to(self.swap_space.device)
+            for kv, swap in caches:
+                swap[:, :, host.to(swap.device)] = kv[:, :, dev].to(swap.device)
         if out.swap_in:
             host, dev = (torch.tensor(x, device=self.device) for x in zip(*out.swap_in, strict=True))
-            self.kv_caches[:, :, dev] = \
-                self.swap_space[:, :, host.to(self.swap_space.device)].to(self.device)
+            for kv, swap in caches:
+                kv[:, :, dev] = swap[:, :, host.to(swap.device)].to(self.device)
 
     def _is_decode(self, s: ScheduledRequest) -> bool:
         """One generated token's step. A prompt's last token alone (its chunking left it for

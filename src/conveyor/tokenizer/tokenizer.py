@@ -268,6 +268,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included."""
+        vocab: dict[str, int] = self._tok.get_vocab(with_added_tokens=True)
+        return vocab
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for a conversation, rendered with the model's own template."""

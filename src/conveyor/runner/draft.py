@@ -1,0 +1,161 @@
+"""Speculative decoding with a draft model (``method: draft_model``). Layer 2.
+
+A smaller model with the target's vocabulary proposes the tokens the target verifies. It is
+loaded as the target is (GGUF or HF folder, the engine's dtype and device) and keeps its own
+paged K/V, a second set of tensors shaped for its layers and heads, under the *same* block
+tables: a slot is the same ``block_id * block_size + offset`` in both caches, so the
+scheduler's allocation, prefix cache, trimming of rejected slots, preemption (recompute or
+swap) and frees serve both at once, and this proposer keeps no per-request state.
+
+Each step, before the target's forward pass:
+
+1. the draft model computes the step's tokens as the target will (prefill chunks, decodes,
+   each verify's last token: the target's batch without its drafts), writing its K/V in the
+   same slots; at the verifies' rows it picks its first draft (greedy: argmax of its logits);
+2. it then decodes its own drafts one position at a time (one batched pass per position, for
+   the verifies that want that many), each pass writing the K/V of the draft it reads.
+
+After the target's verify, a request whose drafts were *all* accepted has one verified token
+the draft model never read (its last draft); one more batched pass writes that token's K/V.
+So whenever the scheduler publishes a block to the prefix cache, the draft model's K/V of its
+tokens is there too. The rejected drafts' draft K/V lies in slots past the request's tokens,
+which the scheduler frees (or which the next step overwrites before anything reads them).
+
+Drafts are greedy and ignore the request's sampling parameters (penalties, temperature):
+they are deterministic proposals, which ``Sampler.verify`` accepts exactly as n-gram drafts
+(greedy: kept while equal to the target's token; sampled: the Leviathan/Chen rule for a
+draft with q(d) = 1), so the outputs are those of speculation off either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from conveyor.attention.metadata import AttentionMetadata
+from conveyor.config import EngineArgs, ModelConfig, SpeculativeConfig
+from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest
+from conveyor.model.llama import CausalLM, build_model
+from conveyor.model.loader import load_checkpoint
+from conveyor.runner.model_runner import KVCacheLayout, allocate_kv_caches
+from conveyor.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# ModelRunner._prepare: a decodes-first batch -> (input ids, positions, attention metadata)
+PrepareFn = Callable[[list[ScheduledRequest]],
+                     tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+
+
+def load_draft_model(spec: SpeculativeConfig | None, args: EngineArgs, target: ModelConfig,
+                     tokenizer: Tokenizer | None, dtype: torch.dtype, device: torch.device,
+                     max_model_len: int) -> CausalLM | None:
+    """The draft model of ``spec`` (None unless its method is draft_model), loaded as the
+    target is. ValueError naming speculative_config.model when it cannot serve as the
+    target's draft (another vocabulary, a shorter context)."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    load_format = "dummy" if args.load_format == "dummy" else "auto"
+    checkpoint = load_checkpoint(spec.model, load_format)
+    config = checkpoint.config
+    _check_vocabulary(config, checkpoint.tokenizer, target, tokenizer, spec.model)
+    if config.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config.model {spec.model!r} has a context of "
+                         f"{config.max_position_embeddings} positions, less than max_model_len="
+                         f"{max_model_len}")
+    weights = None if load_format == "dummy" else checkpoint.tensors()
+    blocks = checkpoint.block_weights if args.quantized_matmuls and weights else None
+    model = build_model(config, dtype, device, weights, args.seed, blocks)
+    logger.info("draft model %s: %d layers, %d KV heads x %d, %.1fM parameters",
+                checkpoint.path, config.num_hidden_layers, config.num_key_value_heads,
+                config.head_dim, config.num_parameters() / 1e6)
+    return model
+
+
+def _check_vocabulary(draft: ModelConfig, draft_tokenizer: Tokenizer | None,
+                      target: ModelConfig, target_tokenizer: Tokenizer | None,
+                      path: str | None) -> None:
+    """A draft's token ids must mean the target's tokens: the same vocabulary size and, where
+    both have a tokenizer, the same token -> id map."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model {path!r} has a vocabulary of "
+                         f"{draft.vocab_size} tokens, the target model {target.vocab_size}: "
+                         "a draft model must share the target's tokenizer")
+    if draft_tokenizer is not None and target_tokenizer is not None \
+            and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"speculative_config.model {path!r} has another tokenizer than the "
+                         "target model (the same ids name different tokens): a draft model "
+                         "must share the target's tokenizer")
+
+
+class DraftModelProposer:
+    """The draft model over its own paged K/V (same blocks as the target's), proposing each
+    verify's drafts at the start of the step (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = layout.block_size
+        # [draft layers, 2, blocks, block_size, draft KVH, draft D], blocks as the target's
+        self.kv_caches, self.swap_space = allocate_kv_caches(model, layout, device)
+
+    def propose(self, batch: list[ScheduledRequest], prepare: PrepareFn
+                ) -> list[ScheduledRequest]:
+        """Compute the step's tokens with the draft model and draft each verify's
+        ``num_spec_tokens`` tokens; ``batch`` (decodes first) with ``spec_token_ids`` set."""
+        verifies = [s for s in batch if s.num_spec_tokens]
+        # The target's batch without drafts: a verify is then a decode, first among them.
+        plain = [replace(s, num_new_tokens=s.num_new_tokens - s.num_spec_tokens,
+                         num_spec_tokens=0) for s in verifies]
+        plain += [s for s in batch if not s.num_spec_tokens]
+        input_ids, positions, meta = prepare(plain)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not verifies:
+            return batch
+        drafts = {s.request_id: [t] for s, t in zip(verifies, self._greedy(hidden[:len(verifies)]),
+                                                    strict=True)}
+        for offset in range(1, max(s.num_spec_tokens for s in verifies)):
+            rows = [s for s in verifies if s.num_spec_tokens > offset]
+            hidden = self._decode(rows, [drafts[s.request_id][-1] for s in rows],
+                                  [s.num_computed_tokens + offset for s in rows])
+            for s, token in zip(rows, self._greedy(hidden), strict=True):
+                drafts[s.request_id].append(token)
+        return [replace(s, spec_token_ids=drafts[s.request_id]) if s.num_spec_tokens else s
+                for s in batch]
+
+    def complete(self, samplers: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """Write the draft K/V of the last draft of each verify that kept all its drafts
+        (the draft model proposed that token but never read it)."""
+        rows = [s for s in samplers if s.num_spec_tokens
+                and len(output.sampled_token_ids[s.request_id]) == s.num_spec_tokens + 1]
+        if rows:
+            self._decode(rows, [s.spec_token_ids[-1] for s in rows],
+                         [s.num_computed_tokens + s.num_spec_tokens for s in rows])
+
+    def _greedy(self, hidden: torch.Tensor) -> list[int]:
+        """hidden: [R, hidden] -> the draft model's top token of each row."""
+        tokens: list[int] = self.model.compute_logits(hidden).argmax(-1).tolist()
+        return tokens
+
+    def _decode(self, rows: list[ScheduledRequest], tokens: list[int], positions: list[int]
+                ) -> torch.Tensor:
+        """One decode pass of the draft model: ``tokens[i]`` at ``positions[i]`` of
+        ``rows[i]`` (within its block table), its K/V written to its slot, attending to the
+        positions before; -> hidden [len(rows), hidden]."""
+        bs = self.block_size
+        pos = np.array(positions, dtype=np.int64)
+        max_blocks = int(pos.max()) // bs + 1
+        tables = np.zeros((len(rows), max_blocks), dtype=np.int64)  # padding -> block 0
+        for i, s in enumerate(rows):
+            n = min(len(s.block_ids), max_blocks)
+            tables[i, :n] = s.block_ids[:n]
+        slots = tables[np.arange(len(rows)), pos // bs] * bs + pos % bs
+        pos_t = torch.from_numpy(pos).to(self.device)
+        meta = AttentionMetadata(torch.from_numpy(slots).to(self.device), len(rows),
+                                 torch.from_numpy(tables).to(self.device), pos_t + 1, [])
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos_t, self.kv_caches, meta)
