@@ -204,12 +204,19 @@ class Harness:
         return steps
 
 
+def scheduler_config(**config: object) -> SchedulerConfig:
+    """SchedulerConfig for the harnesses: a 2048-token context and a 512-token step unless
+    given (the engine resolves them from the model and the usage)."""
+    return SchedulerConfig(**{"max_model_len": 2048, "max_num_batched_tokens": 512,
+                              **config})  # type: ignore[arg-type]
+
+
 def make_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
                  token_fn: TokenFn = default_token_fn,
                  speculative: SpeculativeConfig | None = None,
                  draft_fn: TokenFn | None = None, **config: object) -> Harness:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
-    sched = Scheduler(SchedulerConfig(**config), kv, speculative=speculative)  # type: ignore[arg-type]
+    sched = Scheduler(scheduler_config(**config), kv, speculative=speculative)
     return Harness(sched, FakeRunner(num_blocks, block_size, token_fn, draft_fn))
 
 
@@ -258,7 +265,7 @@ def make_policy_harness(num_blocks: int = 64, block_size: int = 4, enable_cachin
                         **config: object) -> Harness:
     """make_harness with swap blocks (a SwapFakeRunner) and the reserve baseline wired as the
     engine wires them (``kv_allocation="reserve"`` reserves ``max_model_len`` tokens)."""
-    sched_config = SchedulerConfig(**config)  # type: ignore[arg-type]
+    sched_config = scheduler_config(**config)
     reserve = sched_config.max_model_len if sched_config.kv_allocation == "reserve" else None
     kv = KVCacheManager(num_blocks, block_size, enable_caching, num_swap_blocks,
                         reserve_tokens=reserve)

@@ -503,3 +503,16 @@ def test_an_empty_step_is_harmless() -> None:
     assert out.is_empty and out.total_num_scheduled_tokens == 0
     assert h.sched.update(out, ModelRunnerOutput(sampled_token_ids={})) == []
     assert_no_leak(h.sched)
+
+
+def test_a_config_with_lengths_left_to_derive_is_refused() -> None:
+    """0 means "derive it" in EngineArgs; the scheduler must get the derived values."""
+    from conveyor.config import SchedulerConfig
+    from conveyor.core.kv_cache_manager import KVCacheManager
+    from conveyor.core.scheduler import Scheduler
+
+    with pytest.raises(ValueError, match="max_model_len and max_num_batched_tokens"):
+        Scheduler(SchedulerConfig(), KVCacheManager(8, 4))
+    resolved = SchedulerConfig().resolved(4096)
+    assert (resolved.max_model_len, resolved.max_num_batched_tokens) == (4096, 2048)
+    assert Scheduler(resolved, KVCacheManager(8, 4)).config is resolved

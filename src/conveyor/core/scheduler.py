@@ -47,6 +47,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  policy: SchedulingPolicy | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
+        if config.max_model_len < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("the scheduler needs max_model_len and max_num_batched_tokens "
+                             "resolved (>= 1): SchedulerConfig.resolved(model_max_len)")
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy or make_policy(config)
