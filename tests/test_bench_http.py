@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from conveyor.bench.http_overhead import _engine_flags, format_http_overhead, run_http_overhead
 from conveyor.bench.offline import Workload
 from conveyor.config import EngineArgs
 
 
 def test_engine_flags_round_trip_only_non_defaults() -> None:
-    args = EngineArgs(max_model_len=512, enable_prefix_caching=False, kv_cache_memory="64MiB")
-    assert _engine_flags(args) == ["--max-model-len", "512", "--kv-cache-memory", "64MiB",
-                                   "--no-enable-prefix-caching"]
+    from conveyor.cli import build_parser
+    from conveyor.cli.engine_args import engine_args_from
+
+    args = EngineArgs(max_model_len=512, enable_prefix_caching=False, kv_cache_memory="64MiB",
+                      speculative_config={"method": "ngram"})
+    flags = _engine_flags(args)
+    assert sorted(f for f in flags if f.startswith("--")) == [
+        "--kv-cache-memory", "--max-model-len", "--no-enable-prefix-caching",
+        "--speculative-config"]
+    parsed = engine_args_from(build_parser().parse_args(["bench", "offline", *flags]))
+    assert parsed.spec_config() == args.spec_config()  # the JSON of the dict
+    assert replace(parsed, speculative_config=None) == replace(args, speculative_config=None)
 
 
 def test_http_and_offline_run_the_same_workload() -> None:
