@@ -39,7 +39,7 @@ import torch
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.config import EngineArgs, ModelConfig, SpeculativeConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest
-from conveyor.model.llama import CausalLM, build_model
+from conveyor.model.llama import CausalLM, load_model
 from conveyor.model.loader import load_checkpoint
 from conveyor.runner.model_runner import KVCacheLayout, allocate_kv_caches
 from conveyor.tokenizer.tokenizer import Tokenizer
@@ -67,9 +67,7 @@ def load_draft_model(spec: SpeculativeConfig | None, args: EngineArgs, target: M
         raise ValueError(f"speculative_config.model {spec.model!r} has a context of "
                          f"{config.max_position_embeddings} positions, less than max_model_len="
                          f"{max_model_len}")
-    weights = None if load_format == "dummy" else checkpoint.tensors()
-    blocks = checkpoint.block_weights if args.quantized_matmuls and weights else None
-    model = build_model(config, dtype, device, weights, args.seed, blocks)
+    model = load_model(checkpoint, args, device, dtype)  # as the target's (dummy too)
     logger.info("draft model %s: %d layers, %d KV heads x %d, %.1fM parameters",
                 checkpoint.path, config.num_hidden_layers, config.num_key_value_heads,
                 config.head_dim, config.num_parameters() / 1e6)
