@@ -28,8 +28,9 @@ from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.runner.sampler import Sampler, SamplingState
 
+# Not adaptive: which steps draft must not depend on how long steps took on a loaded machine.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
+         "prompt_lookup_min": 2, "adaptive": False}
 COPYING = dict(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=0.2)
 
 
@@ -241,6 +242,7 @@ def test_bad_speculative_config_is_a_clear_error(tiny_llama_dir) -> None:
                        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2},
                         "prompt_lookup_max"),
                        ({"method": "ngram", "lookup": 2}, "lookup"),
+                       ({"method": "ngram", "adaptive": "yes"}, "adaptive"),
                        ("{not json", "JSON")]:
         with pytest.raises(ValueError, match=field):
             LLM(model=str(tiny_llama_dir), speculative_config=bad)

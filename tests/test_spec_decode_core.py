@@ -12,8 +12,11 @@ from conveyor.config import SpeculativeConfig
 from conveyor.core.spec_decode import NgramProposer, SpecDecoder
 from core_helpers import assert_no_leak, make_harness, make_request
 
+# Not adaptive: a step's drafts do not depend on how long the (fake) steps happened to take.
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
-                         prompt_lookup_min=2)
+                         prompt_lookup_min=2, adaptive=False)
+ADAPTIVE = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
+                             prompt_lookup_min=2)
 CYCLE = list(range(10, 18))  # a prompt of this cycle repeated: its continuation is predictable
 
 
@@ -169,7 +172,7 @@ def test_drafting_backs_off_for_a_request_whose_drafts_fail() -> None:
 
 
 def test_cost_model_turns_speculation_off_when_steps_are_compute_bound() -> None:
-    spec = SpecDecoder(SPEC)
+    spec = SpecDecoder(ADAPTIVE)
     request = make_request("a", cycle_prompt(), 50)
     assert spec.num_to_draft(request, 8) == 4  # no measurements yet: full drafts
     for tokens in range(1, 65, 4):  # compute-bound: 1 ms per token, nothing fixed
@@ -177,15 +180,21 @@ def test_cost_model_turns_speculation_off_when_steps_are_compute_bound() -> None
     spec.begin_step(64, 64)
     assert spec.num_to_draft(request, 8) == 0
     assert spec.stats.num_steps_off == 1
-    memory_bound = SpecDecoder(SPEC)
+    memory_bound = SpecDecoder(ADAPTIVE)
     for tokens in range(1, 65, 4):  # 20 ms of weight reads, 0.01 ms per token
         memory_bound.record_step(tokens, 0.020 + 0.00001 * tokens)
     memory_bound.begin_step(4, 4)
     assert memory_bound.num_to_draft(request, 8) == 4
+    fixed = SpecDecoder(SPEC)  # adaptive off: the same compute-bound steps change nothing
+    for tokens in range(1, 65, 4):
+        fixed.record_step(tokens, 0.001 * tokens)
+    fixed.begin_step(64, 64)
+    assert fixed.num_to_draft(request, 8) == 4 and fixed.stats.num_steps_off == 0
 
 
 # ---------------------------------------------------------------- draft model
-DRAFT = SpeculativeConfig(method="draft_model", model="draft.gguf", num_speculative_tokens=3)
+DRAFT = SpeculativeConfig(method="draft_model", model="draft.gguf", num_speculative_tokens=3,
+                          adaptive=False)
 
 
 def test_draft_model_drafts_are_left_to_the_runner() -> None:

@@ -22,8 +22,9 @@ from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from server_fixtures import ServerProcess, metric_value, openai_client, serving, wait_idle
 
+# Not adaptive: which steps draft must not depend on how long steps took on a loaded machine.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
+         "prompt_lookup_min": 2, "adaptive": False}
 MAX_TOKENS = 40
 COPYING = {"ignore_eos": True, "repetition_penalty": 0.2}  # vLLM's extra fields
 MAX_MODEL_LEN = 512

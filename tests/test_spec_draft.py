@@ -28,7 +28,9 @@ GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def draft_config(path: Path, k: int = 4) -> dict[str, Any]:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+    # not adaptive: which steps draft must not depend on how long steps took
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "adaptive": False}
 
 
 def tiny(path: Path, draft: Path | None, **engine_args: Any) -> LLM:

@@ -294,6 +294,10 @@ class SpeculativeConfig:
     request's own tokens (``prompt_lookup_min`` to ``prompt_lookup_max`` tokens long) that
     occurred before; ``draft_model`` proposes with a smaller model (``model``, same
     vocabulary). Either way at most ``num_speculative_tokens`` per request per step.
+    ``adaptive`` (conveyor's own): a request drafts only the tokens whose expected
+    acceptance pays for their measured cost in the step; False drafts up to
+    ``num_speculative_tokens`` whatever steps cost (to measure acceptance, or in tests that
+    must not depend on timing); either way a request whose drafts all fail backs off.
     """
 
     method: str = "ngram"
@@ -301,6 +305,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: GGUF file or HF folder
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
@@ -317,6 +322,8 @@ class SpeculativeConfig:
                  and self.prompt_lookup_max >= self.prompt_lookup_min,
                  "speculative_config.prompt_lookup_max", "an integer >= prompt_lookup_min",
                  self.prompt_lookup_max)
+        _require(isinstance(self.adaptive, bool), "speculative_config.adaptive",
+                 "true or false", self.adaptive)
         _require((self.model is not None) == (self.method == "draft_model"),
                  "speculative_config.model", "a model path for method draft_model (only)",
                  self.model)

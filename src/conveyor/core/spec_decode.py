@@ -21,7 +21,9 @@ So a request drafts its i-th token only while ``alpha ** i`` clears that thresho
 batch is large enough that the step is compute-bound (``b*T`` dominates ``a``) the threshold
 nears 1 and speculation turns itself off for the step; when the weights' read dominates
 (small batches) it is close to 0. A request whose drafts keep failing stops drafting, and
-retries one draft after a back-off that doubles (up to ``MAX_BACKOFF_STEPS``).
+retries one draft after a back-off that doubles (up to ``MAX_BACKOFF_STEPS``). With
+``adaptive: false`` the step's cost is not consulted (the threshold stays 0): every request
+with a match drafts up to ``num_speculative_tokens``, back-off included.
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ class SpecDecoder:
 
     def begin_step(self, num_tokens: int, num_samples: int) -> None:
         """Set this step's threshold from its expected size (tokens and sampling requests
-        before any draft)."""
+        before any draft); 0 when the config is not adaptive."""
+        if not self.config.adaptive:
+            return
         self._threshold = self.cost.draft_threshold(num_tokens, num_samples)
         if self._threshold >= OFF_THRESHOLD:
             self.stats.num_steps_off += 1

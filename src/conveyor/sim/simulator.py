@@ -165,6 +165,7 @@ class Replica:
         self.trace_ids = trace_ids or frozenset()
         self.busy_time = 0.0
         self._frontend_free = 0.0
+        self._stall = 0.0  # front-end time to add to the next step (see _admit_arrived)
         self._empty_steps = 0
 
     @property
@@ -185,9 +186,14 @@ class Replica:
         self.incoming.append(request)
 
     def _admit_arrived(self) -> None:
+        """Hand the engine what the front end has finished. The front end shares the
+        process (and its GIL) with the engine loop: a request it handled while the engine
+        was running steps delays the engine by its front-end time."""
         if not self.scheduler.has_unfinished_requests() and self.incoming:
             self.clock = max(self.clock, self.incoming[0].admit_at)
         while self.incoming and self.incoming[0].admit_at <= self.clock:
+            if self.scheduler.has_unfinished_requests():
+                self._stall += self.cost.request_time_s
             self._admit(self.incoming.popleft())
 
     def _admit(self, sim: SimRequest) -> None:
@@ -225,7 +231,8 @@ class Replica:
         if self._empty_steps > 2:
             raise RuntimeError("the scheduler scheduled nothing three steps in a row")
         start = self.clock
-        duration = self.cost.step_time(StepShape.of(out))
+        duration = self.cost.step_time(StepShape.of(out)) + self._stall
+        self._stall = 0.0
         self.clock += duration
         self.busy_time += duration
         sampled = {item.request_id: [self._next_token(item.request_id)]
