@@ -382,6 +382,24 @@ def test_measured_cost_prices_the_servers_tokens_and_requests() -> None:
     assert run.records[2].ttft > 0.009
 
 
+def test_the_front_end_stalls_a_busy_engine() -> None:
+    """The front end shares the engine's process (and GIL): a request it hands over while the
+    engine runs adds its front-end time to the step that admits it; one reaching an idle
+    engine adds nothing."""
+
+    class FrontEnd(FixedCost):
+        request_time_s = 0.005
+
+    run = simulate(_setup(), FrontEnd(), _requests(2, prompt=20, output=10))
+    first, second = run.records
+    assert first.ttft == pytest.approx(0.005 + 0.001 + 0.0001 * 20)  # idle engine: no stall
+    assert first.itl[:2] == pytest.approx([0.0011, 0.0011])
+    # the second request is handed over at 0.010, during the first's decodes: the step that
+    # admits it (its prefill and the first's decode) pays the 5 ms too
+    assert first.itl[2] == pytest.approx(0.005 + 0.001 + 0.0001 * 21)
+    assert second.ttft == pytest.approx(0.008 + 2 * 0.0011 + first.itl[2])
+
+
 def test_fit_server_terms_recovers_step_and_token_costs() -> None:
     from conveyor.sim.cost import ServeRun, fit_server_terms
 

@@ -76,3 +76,16 @@ def test_simulated_serve_matches_real_serve_on_the_tiny_model(
     # bounds are for the default model on a quiet machine (docs/benchmarks.md).
     for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
         assert _ratio(simulated[key], measured[key]) < BOUND, key
+
+
+def test_a_grid_larger_than_the_kv_cache_is_refused_before_timing() -> None:
+    """The default model's default cache (1456 blocks of 16 tokens, 46,080 bytes per token)
+    holds the default grid; contexts up to 320 once did not, and the profile preempted its
+    own prefills forever."""
+    from conveyor.runner.model_runner import KVCacheLayout
+    from conveyor.sim.profile import _check_capacity
+
+    layout = KVCacheLayout(num_blocks=1456, block_size=16, bytes_per_token=46080)
+    _check_capacity(ProfileGrid(), layout)
+    with pytest.raises(ValueError, match="--kv-cache-memory 1103MiB"):
+        _check_capacity(ProfileGrid(context_lens=(128, 320)), layout)

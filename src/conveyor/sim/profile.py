@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor import __version__
 from conveyor.config import EngineArgs
@@ -40,6 +40,9 @@ from conveyor.sim.cost import (
 )
 from conveyor.sim.simulator import SimRequest, SimSetup, simulate
 
+if TYPE_CHECKING:
+    from conveyor.runner.model_runner import KVCacheLayout
+
 logger = logging.getLogger(__name__)
 _FIRST_PLAIN_TOKEN = 1000  # synthetic prompt ids stay above special tokens (bench/offline.py)
 
@@ -49,7 +52,7 @@ class ProfileGrid:
     """The shapes to time: decode batches x context lengths, and prefill chunk sizes."""
 
     batches: tuple[int, ...] = (1, 4, 16, 32, 64)
-    context_lens: tuple[int, ...] = (128, 320)
+    context_lens: tuple[int, ...] = (128, 256)  # the default cache (1 GiB) holds batch 64
     prefill_tokens: tuple[int, ...] = (32, 128, 512)
     steps: int = 3  # timed pure-decode steps per (batch, context)
 
@@ -89,6 +92,9 @@ class _Timer:
         start = time.perf_counter()
         self.engine.step()
         elapsed = time.perf_counter() - start
+        if self.engine.scheduler.stats.num_preemptions:
+            raise RuntimeError("the KV cache ran out during the profile (a request was "
+                               "preempted): raise --kv-cache-memory or shrink the grid")
         if self._last is not None and not self._last.is_empty:
             self.samples.append((StepShape.of(self._last), elapsed))
         self._last = None
@@ -142,6 +148,23 @@ def _machine(engine: LLMEngine) -> str:
     return platform.processor() or platform.machine()
 
 
+def _check_capacity(grid: ProfileGrid, layout: KVCacheLayout) -> None:
+    """Refuse a grid whose largest point does not fit the KV cache: a preemption would
+    recompute prompts in the middle of the timing (and a prefill that is preempted again and
+    again never finishes). The decodes grow by a token each step through every batch of a
+    context: about steps + 2 per batch, plus two steps per timed prefill."""
+    block = layout.block_size
+    growth = len(grid.batches) * (grid.steps + 2 + 2 * len(grid.prefill_tokens))
+    per_request = -(-(max(grid.context_lens) + growth) // block) * block
+    need = max(grid.batches) * per_request + -(-max(grid.prefill_tokens) // block) * block
+    if need > layout.num_tokens:
+        mib = -(-need * layout.bytes_per_token // 2**20)  # rounded up
+        raise ValueError(f"the grid needs {need} KV tokens (its largest batch x its longest "
+                         f"context as it grows, plus its largest prefill), the cache holds "
+                         f"{layout.num_tokens}: --kv-cache-memory {mib}MiB or more, or "
+                         "shrink --batches / --context-lens")
+
+
 def run_profile(base: EngineArgs, grid: ProfileGrid,
                 serve: ServeGrid | None = None) -> Profile:
     """Build the engine, time the grid, fit the cost terms; with `serve`, then price the
@@ -151,11 +174,7 @@ def run_profile(base: EngineArgs, grid: ProfileGrid,
     args = grid.engine_args(base)
     llm = build_llm(args)
     engine = llm.engine
-    need = max(grid.batches) * (max(grid.context_lens) + max(grid.steps, 1) + 2)
-    if need > engine.kv_layout.num_tokens:
-        raise ValueError(f"the grid needs {need} KV tokens (batches x context lens), the cache "
-                         f"holds {engine.kv_layout.num_tokens}: raise --kv-cache-memory or "
-                         "shrink --batches / --context-lens")
+    _check_capacity(grid, engine.kv_layout)
     if max(grid.context_lens) + grid.steps + 2 > engine.scheduler_config.max_model_len:
         raise ValueError("--context-lens must leave room below max_model_len")
     warm_up(llm)
