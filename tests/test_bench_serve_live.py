@@ -93,3 +93,25 @@ def test_bench_serve_abort_fraction(server: ServerProcess, tmp_path: Path) -> No
             break
         time.sleep(0.1)
     assert not busy, text
+
+
+def test_bench_serve_n_counts_every_choice(server: ServerProcess, tmp_path: Path) -> None:
+    """`--n 2` (as `conveyor simulate --n`): each request asks for two choices, streamed
+    interleaved; a record's output tokens are both choices' (the server's usage)."""
+    result, _ = _bench(server, tmp_path, "--n", "2", "--temperature", "0.8",
+                       "--endpoint", "/v1/chat/completions")
+    assert result["n"] == 2 and result["completed"] == NUM_PROMPTS and result["failed"] == 0
+    assert result["total_output_tokens"] == 2 * NUM_PROMPTS * OUTPUT_LEN
+    assert all(r["output_tokens"] == 2 * OUTPUT_LEN for r in result["requests"])
+
+
+def test_chunk_text_reads_every_choice_and_n_is_checked() -> None:
+    from conveyor.bench.serve import BenchmarkConfig, chunk_text
+
+    chat = {"choices": [{"index": 0, "delta": {"content": "a"}},
+                        {"index": 1, "delta": {"reasoning_content": "b"}}]}
+    assert chunk_text(chat, chat=True) == "ab"
+    assert chunk_text({"choices": [{"index": 1, "text": "c"}]}, chat=False) == "c"
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) == ""
+    with pytest.raises(ValueError, match="n must be"):
+        BenchmarkConfig(base_url="http://x", n=0)

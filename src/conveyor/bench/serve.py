@@ -59,6 +59,7 @@ class BenchmarkConfig:
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)  # "ttft"/"tpot"/"e2el"
     show_progress: bool = True
     abort_fraction: float = 0.0  # share of streams cancelled mid-stream (seeded), 0..1
+    n: int = 1  # choices per request (sampling's n): their tokens all count as output
     # Send each request's response_format (json-schema dataset); False: the same requests
     # unconstrained, the baseline of `--dataset json-schema`
     constrained: bool = True
@@ -76,6 +77,8 @@ class BenchmarkConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not 0.0 <= self.abort_fraction <= 1.0:
             raise ValueError(f"abort_fraction must be in [0, 1], got {self.abort_fraction}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if any(not 0 <= p <= 100 for p in self.percentiles):
             raise ValueError(f"percentiles must be in [0, 100], got {self.percentiles}")
         if self.chat and self.dataset.name == "reference":
@@ -118,6 +121,7 @@ class BenchmarkResult:
             "max_concurrency": cfg.max_concurrency,
             "ignore_eos": cfg.ignore_eos,
             "abort_fraction": cfg.abort_fraction,
+            "n": cfg.n,
             **metrics_to_dict(self.metrics),
             "first_error": self.first_error,
             "requests": [record_to_dict(r) for r in self.records],
@@ -158,21 +162,21 @@ def build_payload(config: BenchmarkConfig, model: str, request: SampleRequest) -
         payload["prompt"] = request.prompt
     if config.ignore_eos:
         payload["ignore_eos"] = True
+    if config.n > 1:
+        payload["n"] = config.n
     if config.constrained and request.response_format is not None:
         payload["response_format"] = request.response_format
     return payload
 
 
 def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
-    """The generated text one streamed chunk carries ("" for role-only or usage chunks)."""
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
+    """The generated text one streamed chunk carries, over all its choices ("" for
+    role-only or usage chunks). With n > 1 a chunk carries one choice or several."""
     if not chat:
-        return choices[0].get("text") or ""
-    delta = choices[0].get("delta") or {}
+        return "".join(c.get("text") or "" for c in chunk.get("choices") or [])
     # Reasoning models stream their thinking separately; it is generated output all the same.
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return "".join((d.get("content") or "") + (d.get("reasoning_content") or "")
+                   for c in chunk.get("choices") or [] if (d := c.get("delta") or {}))
 
 
 async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:

@@ -64,6 +64,9 @@ def add_client_arguments(load: Any) -> None:
                       help="send ignore_eos: true, so every request generates max_tokens "
                            "(simulate: without it, each request ends at an EOS whose position "
                            "is drawn from the dataset's output lengths)")
+    load.add_argument("--n", type=int, default=1,
+                      help="choices per request (sampling's n; simulate: the samples share "
+                           "the prompt's KV blocks); records count every choice's tokens")
     load.add_argument("--abort-fraction", type=float, default=0.0,
                       help="cancel this share of the streams after a random number of chunks "
                            "(seeded; counted apart, out of the latencies): a soak with aborts")
@@ -151,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=parse_percentiles(args.metric_percentiles),
         goodput_slos_ms=parse_goodput(args.goodput or []),
-        show_progress=not args.no_progress, abort_fraction=args.abort_fraction,
+        show_progress=not args.no_progress, abort_fraction=args.abort_fraction, n=args.n,
     )
 
 

@@ -79,9 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--plot-dir", default=None, help="write the PNG plots here")
     sim.add_argument("--timeline-requests", type=int, default=DEFAULT_TIMELINE_REQUESTS,
                      help="requests shown in the timeline plot")
-    sim.add_argument("--n", type=int, default=1,
-                     help="parallel samples per request (sampling's n): the samples share "
-                          "the prompt's KV blocks; records count all samples' tokens")
     serve_cli.add_client_arguments(serve_cli.add_load_arguments(parser))
     serve_cli.add_dataset_arguments(parser)
     serve_cli.add_output_arguments(parser)

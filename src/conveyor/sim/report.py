@@ -109,6 +109,7 @@ def result_dict(model: str, dataset: DatasetConfig, rate: float, burstiness: flo
         "max_concurrency": load.max_concurrency,
         "ignore_eos": load.ignore_eos,
         "abort_fraction": load.abort_fraction,
+        "n": load.n,
         **metrics_to_dict(metrics),
         "first_error": first_error,
         # record_to_dict's keys, without its deep copy (thousands of ITL lists)
