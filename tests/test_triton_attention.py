@@ -13,7 +13,7 @@ import torch
 
 from attention_cases import Seq, check_against_reference, make_step
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
-from conveyor.attention.paged_batch import paged_batch
+from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
 from conveyor.attention.triton_paged import attend, interpreted, triton_paged_attention
 
 # Tolerances against the reference: float32 exact products; half types round P (and, in the
@@ -71,7 +71,8 @@ def test_mixed_step_matches_reference(dtype: torch.dtype, block_size: int,
 
 
 def test_every_layer_of_a_step_shares_one_batch() -> None:
-    """The per-step batch is built once for a metadata object, and again for a new one."""
+    """The per-step batch: built once for a step's metadata object (and cache block size),
+    again for the next step's."""
     step = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
                      dtype=torch.float32)
     batch = paged_batch(step.meta, 16)
@@ -82,6 +83,13 @@ def test_every_layer_of_a_step_shares_one_batch() -> None:
     cache = step.kv_cache.clone()
     first = triton_paged_attention(step.q, step.k, step.v, cache, step.meta, step.scale)
     assert torch.equal(attend(step.q, cache, batch, step.scale), first)
+    memo: StepMemo[PagedBatch] = StepMemo()
+    built = memo.get(step.meta, 16, lambda: paged_batch(step.meta, 16))
+    assert memo.get(step.meta, 16, lambda: pytest.fail("rebuilt for the same step")) is built
+    assert memo.get(step.meta, 8, lambda: batch) is batch  # another cache's block size
+    other = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                      dtype=torch.float32)
+    assert memo.get(other.meta, 8, lambda: built) is built  # the next step
 
 
 def test_bad_inputs_raise_value_errors() -> None:
@@ -92,6 +100,8 @@ def test_bad_inputs_raise_value_errors() -> None:
         attend(step.q, step.kv_cache.to(torch.int8), batch, step.scale)
     with pytest.raises(ValueError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
         attend(step.q[:, :3], step.kv_cache, batch, step.scale)
+    with pytest.raises(ValueError, match="head_dim 16 is not the cache's 32"):
+        attend(step.q[..., :16], step.kv_cache, batch, step.scale)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA: tests/test_gpu_attention.py")

@@ -61,7 +61,7 @@ class FlashInferAttention:
             self.plan(batch, q, kv_cache, scale)
             return batch
 
-        self._planned.get(meta, build)
+        self._planned.get(meta, (kv_cache.shape, q.dtype), build)
         return self.wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))
 
 

@@ -74,10 +74,14 @@ class StepMemo(Generic[T]):
 
     def __init__(self) -> None:
         self._meta: weakref.ref[AttentionMetadata] | None = None
+        self._key: object = None
         self._value: T | None = None
 
-    def get(self, meta: AttentionMetadata, build: Callable[[], T]) -> T:
-        if self._value is None or self._meta is None or self._meta() is not meta:
+    def get(self, meta: AttentionMetadata, key: object, build: Callable[[], T]) -> T:
+        """The value for this metadata object and ``key`` (what else it was built from, e.g.
+        the cache's block size: a draft model's cache may differ), built if not yet."""
+        if (self._value is None or self._meta is None or self._meta() is not meta
+                or self._key != key):
             self._value = build()
-            self._meta = weakref.ref(meta)
+            self._meta, self._key = weakref.ref(meta), key
         return self._value

@@ -126,7 +126,9 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not q's {q.dtype}: the Triton "
                          "kernel reads caches of the model's dtype (kv_cache_dtype='auto')")
     _, _, block_size, kvh, d = kv_cache.shape
-    t, h, _ = q.shape
+    t, h, q_dim = q.shape
+    if q_dim != d:
+        raise ValueError(f"q's head_dim {q_dim} is not the cache's {d}")
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     group = h // kvh
@@ -162,5 +164,6 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     output, less ``ops``): q [T, H, D]; k, v [T, KVH, D] written into their slots first;
     kv_cache [2, blocks, block_size, KVH, D] -> [T, H, D]."""
     write_kv_(k, v, kv_cache, meta.slot_mapping)
-    batch = _step_batch.get(meta, lambda: paged_batch(meta, kv_cache.shape[2]))
+    block_size = kv_cache.shape[2]
+    batch = _step_batch.get(meta, block_size, lambda: paged_batch(meta, block_size))
     return attend(q, kv_cache, batch, scale)
