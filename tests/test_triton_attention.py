@@ -8,6 +8,10 @@ check (compilation, tensor-core numerics, speed) is in tests/test_gpu_attention.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -68,6 +72,31 @@ def test_mixed_step_matches_reference(dtype: torch.dtype, block_size: int,
     step = make_step(MIXED, num_heads=6, num_kv_heads=2, head_dim=head_dim,
                      block_size=block_size, dtype=dtype, seed=2)
     check_against_reference(triton_paged_attention, step, ATOL[dtype])
+
+
+# Compiled for a GPU without one (Triton ships ptxas): SmolLM2's decode tile (9 heads on 3 KV
+# heads, bf16) for Hopper, Llama-3-8B's prefill tile (32 on 8, head_dim 128, fp16) for Ampere.
+COMPILE = """
+import torch
+from conveyor.attention.triton_paged import compile_for
+for args in [((9, 0), torch.bfloat16, 3, 64, 16, 1), ((8, 0), torch.float16, 4, 128, 16, 512)]:
+    kernel = compile_for(*args)
+    print(args[0], len(kernel.asm["cubin"]), kernel.metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_gpus(tmp_path) -> None:
+    """What the interpreter does not check: that Triton compiles the kernel (tile shapes,
+    tl.dot operand types, the early exit) to a cubin for sm_90 and sm_80. In a process of its
+    own: here triton was imported to interpret."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert [line[:2] for line in lines] == [["(9,", "0)"], ["(8,", "0)"]]
+    assert all(int(cubin) > 0 and int(shared) > 0 for *_, cubin, shared in lines)
 
 
 def test_every_layer_of_a_step_shares_one_batch() -> None:

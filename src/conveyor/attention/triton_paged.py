@@ -24,6 +24,7 @@ here (``cuda_paged_attention_backend`` says "torch" for them).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -118,6 +119,20 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
+def kernel_constants(dtype: torch.dtype, group: int, head_dim: int, block_size: int,
+                     max_query_len: int) -> dict[str, Any]:
+    """The kernel's compile-time arguments for a launch: tile shapes and dot precision."""
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+    if max_query_len > 1:
+        block_m = max(block_m, PREFILL_BLOCK_M)
+    dot_dtype = _dot_dtype(dtype)
+    return dict(NUM_QUERIES_PER_KV=group, HEAD_DIM=head_dim,
+                HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+                BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=TILE_N, DOT_DTYPE=dot_dtype,
+                # float32 products exact (not TF32) on a GPU: float32 is the correctness setting
+                INPUT_PRECISION="ieee" if dot_dtype == tl.float32 else None)
+
+
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
            scale: float) -> torch.Tensor:
     """q: [T, H, D] (rows in the batch's order); kv_cache: [2, blocks, block_size, KVH, D]
@@ -131,30 +146,41 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
         raise ValueError(f"q's head_dim {q_dim} is not the cache's {d}")
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    group = h // kvh
     out = torch.empty_like(q)
     if t == 0:
         return out
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
-    if batch.max_query_len > 1:
-        block_m = max(block_m, PREFILL_BLOCK_M)
-    block_q = block_m // group
-    grid = (batch.seq_lens.shape[0], kvh, triton.cdiv(batch.max_query_len, block_q))
+    const = kernel_constants(q.dtype, h // kvh, d, block_size, batch.max_query_len)
+    grid = (batch.num_seqs, kvh, triton.cdiv(batch.max_query_len, const["BLOCK_Q"]))
     if q.stride(-1) != 1:
         q = q.contiguous()
-    dot_dtype = _dot_dtype(q.dtype)
     _paged_attention_kernel[grid](
         out, q, kv_cache, batch.block_tables, batch.query_start, batch.seq_lens,
         scale * 1.4426950408889634,  # log2(e): softmax in base 2
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        batch.block_tables.stride(0),
-        NUM_QUERIES_PER_KV=group, HEAD_DIM=d, HEAD_DIM_P=triton.next_power_of_2(d),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=TILE_N,
-        DOT_DTYPE=dot_dtype,
-        # float32 products exact (not TF32) on a GPU: float32 is the correctness setting.
-        INPUT_PRECISION="ieee" if dot_dtype == tl.float32 else None)
+        batch.block_tables.stride(0), **const)
     return out
+
+
+def compile_for(capability: tuple[int, int], dtype: torch.dtype, group: int, head_dim: int,
+                block_size: int, max_query_len: int) -> Any:
+    """Compile the kernel for a CUDA compute capability, to a cubin, without a GPU (Triton
+    ships ptxas): what a launch there would compile, checked where none runs. Needs triton
+    imported without ``TRITON_INTERPRET``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if interpreted():
+        raise RuntimeError("TRITON_INTERPRET is set: the kernel is interpreted, not compiled")
+    ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    names = _paged_attention_kernel.arg_names
+    const = kernel_constants(dtype, group, head_dim, block_size, max_query_len)
+    signature = {n: "constexpr" if n in const else ptr if n.endswith("_ptr") else "i32"
+                 for n in names}
+    signature.update(block_tables_ptr="*i64", query_start_ptr="*i32", seq_lens_ptr="*i32",
+                     scale_log2="fp32")
+    return triton.compile(ASTSource(_paged_attention_kernel, signature, const),
+                          target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32))
 
 
 def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
