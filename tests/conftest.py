@@ -8,6 +8,7 @@ and by transformers (the reference) on the same weights, in float32 on both side
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,12 @@ import pytest
 import torch
 
 from conftest_models import default_gguf
+
+# Without CUDA (CI) Triton kernels run in Triton's interpreter (tests/test_triton_attention.py).
+# Triton reads the variable when a kernel, or its own library (tl.sum, tl.max), is wrapped by
+# triton.jit, at import: so it is set here, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny random decoders: big enough to exercise GQA, biases, q/k norm and paging across many
 # blocks, small enough that a step costs milliseconds on two CPU cores.

@@ -1,0 +1,87 @@
+"""A step's attention metadata as paged-attention kernels read it (Triton, FlashInfer):
+one list of sequences, decodes and prefill chunks alike, each with its query rows at the end
+of its keys. Torch only (no kernel library), so the backend selector imports it anywhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.attention.metadata import AttentionMetadata
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """The step's sequences: decodes (one query row each) first, then prefill chunks. Sequence
+    s's query row i sits at position ``seq_lens[s] - query_len + i`` and sees the keys at
+    positions up to its own."""
+
+    # [S + 1] int32: sequence s's query rows are query_start[s] : query_start[s + 1]
+    query_start: torch.Tensor
+    # [S] int32: keys of sequence s, its cached prefix and its query rows
+    seq_lens: torch.Tensor
+    # [S, max_blocks] int64 block tables (padding: block 0, never read)
+    block_tables: torch.Tensor
+    max_query_len: int  # on the host: a kernel's grid, without a device sync
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def paged_batch(meta: AttentionMetadata, block_size: int) -> PagedBatch:
+    """The kernels' view of a step. A chunk given no block table has no prefix: its blocks are
+    named by every block_size-th of its slots (positions 0, 1, ..., just written)."""
+    device = meta.slot_mapping.device
+    nd = meta.num_decodes
+    tables: list[torch.Tensor] = []
+    lens: list[torch.Tensor] = []
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        tables.append(meta.decode_block_tables)
+        lens.append(meta.decode_context_lens)
+    starts = list(range(nd + 1))
+    for chunk in meta.prefills:
+        table = chunk.block_table
+        if table is None:
+            end = chunk.query_start + chunk.query_len
+            table = meta.slot_mapping[chunk.query_start:end:block_size] // block_size
+        tables.append(table.view(1, -1))
+        starts.append(chunk.query_start + chunk.query_len)
+    if meta.prefills:
+        lens.append(torch.tensor([c.num_computed_tokens + c.query_len for c in meta.prefills],
+                                 dtype=torch.int64, device=device))
+    width = max(t.shape[1] for t in tables)
+    block_tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
+    max_query_len = max([1 if nd else 0] + [c.query_len for c in meta.prefills])
+    return PagedBatch(torch.tensor(starts, dtype=torch.int32, device=device),
+                      torch.cat(lens).to(torch.int32), block_tables, max_query_len)
+
+
+class StepMemo(Generic[T]):
+    """A value derived from one step's AttentionMetadata, kept for the step: every layer of a
+    step is given the same metadata object, so the first layer builds the value (a PagedBatch,
+    a FlashInfer plan) and the others reuse it. A weak reference: a finished step's metadata
+    is not kept alive."""
+
+    def __init__(self) -> None:
+        self._meta: weakref.ref[AttentionMetadata] | None = None
+        self._key: object = None
+        self._value: T | None = None
+
+    def get(self, meta: AttentionMetadata, key: object, build: Callable[[], T]) -> T:
+        """The value for this metadata object and ``key`` (what else it was built from, e.g.
+        the cache's block size: a draft model's cache may differ), built if not yet."""
+        if (self._value is None or self._meta is None or self._meta() is not meta
+                or self._key != key):
+            self._value = build()
+            self._meta, self._key = weakref.ref(meta), key
+        return self._value

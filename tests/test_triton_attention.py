@@ -1,0 +1,142 @@
+"""The Triton paged-attention kernel (conveyor/attention/triton_paged.py) on CPU, in Triton's
+interpreter (``TRITON_INTERPRET=1``, which tests/conftest.py sets on machines without CUDA
+before triton is imported), against the torch reference path: decodes of many
+lengths, prefill chunks on a cached prefix, fresh prompts, recomputed generated rows, GQA
+groups of 1, 2 and 3, partial last blocks, float32/float16/bfloat16. What only a GPU can
+check (compilation, tensor-core numerics, speed) is in tests/test_gpu_attention.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attention_cases import Seq, check_against_reference, make_step
+from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
+from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
+from conveyor.attention.triton_paged import attend, interpreted, triton_paged_attention
+
+# Tolerances against the reference: float32 exact products; half types round P (and, in the
+# reference, SDPA's intermediate results) to 8 or 11 mantissa bits.
+ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = list(ATOL)
+# (num_heads, num_kv_heads): multi-head, GQA groups of 2 and of 3 (not a power of two)
+HEADS = [(4, 4), (4, 2), (6, 2)]
+
+# Context lengths 1, 16 (a full block), 17 (one row in the next), 41 and 71 (several key tiles)
+DECODES = [Seq(0, decode=True), Seq(15, decode=True), Seq(16, decode=True),
+           Seq(40, decode=True), Seq(70, decode=True)]
+# Decodes, a fresh prompt (no prefix: no block table), a chunk on a cached prefix that ends
+# mid-block, and a chunk whose last 2 rows recompute generated tokens.
+MIXED = [Seq(20, decode=True), Seq(47, decode=True), Seq(0, 19), Seq(21, 13),
+         Seq(30, 6, generated_rows=2)]
+
+
+# Where CUDA is (conftest leaves the variable unset), Triton compiles, for GPU tensors only:
+# tests/test_gpu_attention.py runs the kernel there.
+pytestmark = pytest.mark.skipif(not interpreted(), reason="Triton compiles here (CUDA): "
+                                "tests/test_gpu_attention.py runs the kernel")
+
+
+# Every GQA group in float32; the half types with a group of 3.
+DECODE_CASES = [(torch.float32, h) for h in HEADS] + [(t, (6, 2)) for t in DTYPES[1:]]
+
+
+@pytest.mark.parametrize("dtype,heads", DECODE_CASES,
+                         ids=[f"{t}-h{h}kv{k}" for t, (h, k) in DECODE_CASES])
+def test_decodes_match_reference(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    step = make_step(DECODES, num_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
+                     block_size=16, dtype=dtype)
+    check_against_reference(triton_paged_attention, step, ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_chunk_on_cached_prefix_matches_reference(dtype: torch.dtype) -> None:
+    """A 40-row chunk after 33 cached keys: query tiles of the chunk see the prefix and the
+    chunk's rows up to their own."""
+    step = make_step([Seq(33, 40)], num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
+                     dtype=dtype, seed=1)
+    check_against_reference(triton_paged_attention, step, ATOL[dtype])
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 32), (16, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixed_step_matches_reference(dtype: torch.dtype, block_size: int,
+                                      head_dim: int) -> None:
+    """Decodes and prefill chunks in one launch; key tiles (32) span several 8-slot blocks;
+    a head_dim that is not a power of two is padded and masked."""
+    step = make_step(MIXED, num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=2)
+    check_against_reference(triton_paged_attention, step, ATOL[dtype])
+
+
+# Compiled for a GPU without one (Triton ships ptxas): SmolLM2's decode tile (9 heads on 3 KV
+# heads, bf16) for Hopper, Llama-3-8B's prefill tile (32 on 8, head_dim 128, fp16) for Ampere.
+COMPILE = """
+import torch
+from conveyor.attention.triton_paged import compile_for
+for args in [((9, 0), torch.bfloat16, 3, 64, 16, 1), ((8, 0), torch.float16, 4, 128, 16, 512)]:
+    kernel = compile_for(*args)
+    print(args[0], len(kernel.asm["cubin"]), kernel.metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_gpus(tmp_path) -> None:
+    """What the interpreter does not check: that Triton compiles the kernel (tile shapes,
+    tl.dot operand types, the early exit) to a cubin for sm_90 and sm_80. In a process of its
+    own: here triton was imported to interpret."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert [line[:2] for line in lines] == [["(9,", "0)"], ["(8,", "0)"]]
+    assert all(int(cubin) > 0 and int(shared) > 0 for *_, cubin, shared in lines)
+
+
+def test_every_layer_of_a_step_shares_one_batch() -> None:
+    """The per-step batch: built once for a step's metadata object (and cache block size),
+    again for the next step's."""
+    step = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                     dtype=torch.float32)
+    batch = paged_batch(step.meta, 16)
+    assert batch.query_start.tolist() == [0, 1, 2, 21, 34, 40]
+    assert batch.seq_lens.tolist() == [21, 48, 19, 34, 36]
+    assert batch.max_query_len == 19
+    # A second layer's call over the cache the first one wrote gives the same output.
+    cache = step.kv_cache.clone()
+    first = triton_paged_attention(step.q, step.k, step.v, cache, step.meta, step.scale)
+    assert torch.equal(attend(step.q, cache, batch, step.scale), first)
+    memo: StepMemo[PagedBatch] = StepMemo()
+    built = memo.get(step.meta, 16, lambda: paged_batch(step.meta, 16))
+    assert memo.get(step.meta, 16, lambda: pytest.fail("rebuilt for the same step")) is built
+    assert memo.get(step.meta, 8, lambda: batch) is batch  # another cache's block size
+    other = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                      dtype=torch.float32)
+    assert memo.get(other.meta, 8, lambda: built) is built  # the next step
+
+
+def test_bad_inputs_raise_value_errors() -> None:
+    step = make_step(DECODES[:2], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                     dtype=torch.float32)
+    batch = paged_batch(step.meta, 16)
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        attend(step.q, step.kv_cache.to(torch.int8), batch, step.scale)
+    with pytest.raises(ValueError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
+        attend(step.q[:, :3], step.kv_cache, batch, step.scale)
+    with pytest.raises(ValueError, match="head_dim 16 is not the cache's 32"):
+        attend(step.q[..., :16], step.kv_cache, batch, step.scale)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA: tests/test_gpu_attention.py")
+def test_backend_selector_without_cuda() -> None:
+    """Without a CUDA device: the torch reference; each kernel name maps to its entry point."""
+    assert cuda_paged_attention_backend() == "torch"
+    assert cuda_paged_attention_backend(torch.float32, kv_cache_dtype="int8") == "torch"
+    assert paged_attention_kernel("triton") is triton_paged_attention
+    assert paged_attention_kernel("torch") is None
