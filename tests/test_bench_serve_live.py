@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conveyor.bench.serve import abort_points
-from server_fixtures import ServerProcess, metric_value, start_server
+from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 6
@@ -27,15 +27,19 @@ def server() -> ServerProcess:
     server.remove_log()
 
 
-def _bench(server: ServerProcess, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+def _run_cli(server: ServerProcess, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """`conveyor bench serve ARGS` against `server`: (the result file's JSON, stdout)."""
     result_file = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "conveyor.cli", "bench", "serve", "--url", server.base_url,
-           "--num-prompts", str(NUM_PROMPTS), "--input-len", "24", "--output-len",
-           str(OUTPUT_LEN), "--ignore-eos", "--no-progress", "--result-file", str(result_file),
-           *extra]
+           "--no-progress", "--result-file", str(result_file), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(result_file.read_text()), done.stdout
+
+
+def _bench(server: ServerProcess, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    return _run_cli(server, tmp_path, "--num-prompts", str(NUM_PROMPTS), "--input-len", "24",
+                    "--output-len", str(OUTPUT_LEN), "--ignore-eos", *extra)
 
 
 def test_bench_serve_metrics_are_present_and_consistent(server: ServerProcess,
@@ -115,3 +119,40 @@ def test_chunk_text_reads_every_choice_and_n_is_checked() -> None:
     assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) == ""
     with pytest.raises(ValueError, match="n must be"):
         BenchmarkConfig(base_url="http://x", n=0)
+
+
+def _printed(table: str, label: str) -> float:
+    """The figure the table prints after `label` (the line's last field)."""
+    line = next(line for line in table.splitlines() if line.startswith(label))
+    return float(line.split()[-1])
+
+
+def test_bench_serve_json_schema_length_matched(server: ServerProcess, tmp_path: Path) -> None:
+    """--dataset json-schema runs free, constrained, then free length-matched: the last
+    writes, request by request, exactly the tokens the constrained one wrote."""
+    output_len = 32  # the "record" schema's object closes in 25 tokens, the others run on
+    result, table = _run_cli(server, tmp_path, "--dataset", "json-schema", "--endpoint",
+                             "/v1/chat/completions", "--num-prompts", "4",
+                             "--output-len", str(output_len))
+    halves = [result[h] for h in ("free", "constrained", "free_matched")]
+    assert [(h["completed"], h["failed"]) for h in halves] == [(4, 0)] * 3
+    constrained, matched = halves[1], halves[2]
+    assert matched["output_tokens_per_request"] == constrained["output_tokens_per_request"]
+    assert matched["total_output_tokens"] == constrained["total_output_tokens"]
+    # The grammar ended some objects before max_tokens: the matching is not trivial.
+    assert min(constrained["output_tokens_per_request"]) < output_len
+    assert result["matched_output_throughput_ratio"] == pytest.approx(
+        constrained["output_throughput"] / matched["output_throughput"])
+    assert result["matched_median_tpot_ratio"] == pytest.approx(
+        constrained["median_tpot_ms"] / matched["median_tpot_ms"])
+    assert result["output_throughput_ratio"] == pytest.approx(
+        constrained["output_throughput"] / halves[0]["output_throughput"])
+    assert result["grammar"]["compiles"] + result["grammar"]["cache_hits"] == 4
+    assert "free, matched" in table
+    for label, key in (("Output throughput ratio:", "output_throughput_ratio"),
+                       ("Median TPOT ratio:", "median_tpot_ratio"),
+                       ("Output throughput ratio, matched:", "matched_output_throughput_ratio"),
+                       ("Median TPOT ratio, matched:", "matched_median_tpot_ratio")):
+        assert _printed(table, label) == pytest.approx(result[key], abs=5e-4), label
+    metrics = wait_idle(server)
+    assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0

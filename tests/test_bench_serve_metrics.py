@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -32,11 +33,13 @@ from conveyor.bench.metrics import (
 )
 from conveyor.bench.serve import (
     BenchmarkConfig,
+    BenchmarkResult,
     abort_points,
     arrivals,
     build_payload,
     chunk_text,
 )
+from conveyor.bench.structured import length_matched
 
 
 def _record(
@@ -243,6 +246,23 @@ def test_payload_and_chunk_text() -> None:
     assert chunk_text({"choices": [{"text": " a b"}]}, chat=False) == " a b"
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) == ""
     assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=True) == ""
+
+
+def test_length_matched_requests() -> None:
+    """The length-matched half sends each request with max_tokens = what its constrained
+    twin wrote; one whose twin failed or was aborted keeps its own max_tokens."""
+    config = BenchmarkConfig("http://x", endpoint="/v1/chat/completions",
+                             dataset=DatasetConfig(name="json-schema", num_prompts=3,
+                                                   output_len=50))
+    requests = sample_requests(config.dataset)
+    records = [_record(0.0, 0.1, [0.01] * 11, out=12), RequestRecord(success=False, error="x"),
+               RequestRecord(success=True, output_tokens=7, aborted=True)]
+    constrained = BenchmarkResult(config, "m", compute_metrics(records, 1.0), records, "d")
+    matched = length_matched(requests, constrained)
+    assert [r.output_len for r in matched] == [12, 50, 50]
+    assert [r.prompt for r in matched] == [r.prompt for r in requests]
+    payload = build_payload(dataclasses.replace(config, constrained=False), "m", matched[0])
+    assert payload["max_tokens"] == 12 and "response_format" not in payload
 
 
 def test_benchmark_config_validation() -> None:

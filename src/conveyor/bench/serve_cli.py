@@ -2,8 +2,10 @@
 
     conveyor bench serve --url http://127.0.0.1:8000 --dataset random \\
         --input-len 512 --output-len 128 --num-prompts 200 --request-rate 8
-    conveyor bench serve --url http://127.0.0.1:8000 --dataset json-schema \
-        --endpoint /v1/chat/completions --num-prompts 64 --output-len 160   # with vs without
+    conveyor bench serve --url http://127.0.0.1:8000 --dataset json-schema \\
+        --endpoint /v1/chat/completions --num-prompts 64 --output-len 160
+        # the same requests free, with their JSON Schema, then free with each one's
+        # max_tokens = what its constrained twin wrote (ignore_eos): the grammar's cost alone
 
 Also runnable alone: ``python -m conveyor.bench.serve_cli --url ...``.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.bench.datasets import DATASET_NAMES, DatasetConfig, SkewedMix
-from conveyor.bench.metrics import format_table, metrics_to_dict, parse_goodput
+from conveyor.bench.metrics import format_table, parse_goodput
 from conveyor.bench.serve import ENDPOINTS, BenchmarkConfig, BenchmarkResult, run_benchmark
 from conveyor.bench.structured import format_comparison, run_structured_comparison
 
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         if config.dataset.name == "json-schema":
-            return _run_structured(config, args.json)
+            return _run_structured(config, args.json, args.result_file)
         result = asyncio.run(run_benchmark(config))
     except (ValueError, OSError) as e:
         print(f"conveyor bench serve: error: {e}", file=sys.stderr)
@@ -189,19 +190,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.metrics.completed > 0 else 1
 
 
-def _run_structured(config: BenchmarkConfig, as_json: bool) -> int:
-    """--dataset json-schema: the requests without, then with, their schema."""
+def _run_structured(config: BenchmarkConfig, as_json: bool, result_file: str | None) -> int:
+    """--dataset json-schema: the requests free, constrained, then free length-matched."""
     comparison = asyncio.run(run_structured_comparison(config))
-    if as_json:
-        print(json.dumps({"free": metrics_to_dict(comparison.free.metrics),
-                          "constrained": metrics_to_dict(comparison.constrained.metrics),
-                          "output_throughput_ratio": comparison.output_throughput_ratio,
-                          "median_tpot_ratio": comparison.median_tpot_ratio,
-                          "grammar": None if comparison.grammar is None
-                          else dataclasses.asdict(comparison.grammar)}, indent=2))
-    else:
-        print(format_comparison(comparison))
-    for result in (comparison.free, comparison.constrained):
+    data = comparison.to_dict()
+    if result_file:
+        with open(result_file, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    print(json.dumps(data, indent=2) if as_json else format_comparison(comparison))
+    for result in (comparison.free, comparison.constrained, comparison.matched):
         if result.first_error is not None:
             print(f"{result.metrics.failed} request(s) failed; first error: "
                   f"{result.first_error}", file=sys.stderr)
