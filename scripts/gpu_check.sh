@@ -45,14 +45,16 @@ step() {
 
 if [ "$SIZE" = tiny ]; then
     DEVICE=cpu DTYPE=float32 SMALL=smollm2-135m QWEN=smollm2-135m LLAMA=smollm2-135m
-    REQS=(--num-requests 2) NANO_REQS=(--num-requests 2) BIG_REQS=(--num-requests 2)
-    KV=256MiB LEN=2048 SEQS=8 ROOF_SMALL=(1 2) ROOF_QWEN=(1 4) ROOF_LLAMA=(1 8)
-    PEER_BATCH=4 TESTS="-k test_buckets"
+    REQS=(--num-requests 2 --no-warmup) NANO=(--workload reference --num-requests 2)
+    BIG=(--workload reference --num-requests 2) PEER_NANO=reference
+    KV_SMALL=256MiB KV=256MiB LEN=512 SEQS=2 ROOF_SMALL=(1) ROOF_QWEN=(1) ROOF_LLAMA=(2)
+    PEER_BATCH=4 TESTS="-k test_buckets"  # (not gpu-marked: this checks the command runs)
 else
     DEVICE=cuda DTYPE=bfloat16 SMALL=smollm2-135m QWEN=qwen3-0.6b LLAMA=llama-3-8b
-    REQS=() NANO_REQS=() BIG_REQS=(--num-requests 64)
-    KV=48GiB LEN=2048 SEQS=256 ROOF_SMALL=(1 16 64) ROOF_QWEN=(1 64 256) ROOF_LLAMA=(1 256)
-    PEER_BATCH=256 TESTS=""
+    REQS=() NANO=(--workload nano-vllm) BIG=(--workload nano-vllm --num-requests 64)
+    PEER_NANO=nano-vllm KV_SMALL=4GiB KV=48GiB LEN=2048 SEQS=256
+    ROOF_SMALL=(1 16 64) ROOF_QWEN=(1 64 256) ROOF_LLAMA=(1 256)
+    PEER_BATCH=256 TESTS="-m gpu"
 fi
 BENCH=("$PY" -m conveyor.cli bench offline --load-format dummy --device "$DEVICE"
        --dtype "$DTYPE" --max-model-len "$LEN" --json)
@@ -62,32 +64,32 @@ BENCH=("$PY" -m conveyor.cli bench offline --load-format dummy --device "$DEVICE
 torch.cuda.is_available(), 'transformers', transformers.__version__)"; } >>"$LOG" 2>&1
 
 # shellcheck disable=SC2086
-step tests 150 "$PY" -m pytest -q -n 0 -p no:cacheprovider -m gpu $TESTS \
+step tests 150 "$PY" -m pytest -q -n 0 -p no:cacheprovider $TESTS \
     tests/test_gpu.py tests/test_cuda_graphs.py
 grep -E "passed|failed|skipped|error" "$LOG" | tail -1 >"$OUT/pytest.log"
 sed -n '/=== tests (limit/,/=== tests: rc=/p' "$LOG" >>"$OUT/pytest.log"
 
 # The reference workload (64 requests) with CUDA graphs, and again with enforce_eager.
-step smollm2 120 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory 4GiB "${REQS[@]}" \
+step smollm2 120 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory "$KV_SMALL" "${REQS[@]}" \
     --roofline-batches "${ROOF_SMALL[@]}" --against enforce_eager=true \
     --result-file "$OUT/offline-smollm2.json"
 
 # nano-vllm's benchmark on the Qwen3-0.6B shape: all 256 requests fit at once.
-step qwen3-nano-vllm 150 "${BENCH[@]}" --model "$QWEN" --workload nano-vllm "${NANO_REQS[@]}" \
+step qwen3-nano-vllm 150 "${BENCH[@]}" --model "$QWEN" "${NANO[@]}" \
     --max-num-seqs "$SEQS" --max-num-batched-tokens 8192 --kv-cache-memory "$KV" --no-warmup \
     --roofline-batches "${ROOF_QWEN[@]}" --result-file "$OUT/offline-qwen3-nano-vllm.json"
 
 # Llama-3-8B shape: the same workload (64 of its requests, for time), the decode step at
 # batch 256 against its bare matmuls, and one stream (weights bytes / step time).
-step llama3-8b 150 "${BENCH[@]}" --model "$LLAMA" --workload nano-vllm "${BIG_REQS[@]}" \
+step llama3-8b 150 "${BENCH[@]}" --model "$LLAMA" "${BIG[@]}" \
     --max-num-seqs "$SEQS" --max-num-batched-tokens 8192 --kv-cache-memory "$KV" --no-warmup \
     --roofline-batches "${ROOF_LLAMA[@]}" --result-file "$OUT/offline-llama3-8b.json"
 
 # The peer: transformers generate, same shapes and workloads, gathered into one file.
 PEER=("$PY" scripts/hf_peer.py --device "$DEVICE" --dtype "$DTYPE")
 step hf-peer 120 bash -c "set -e
-${PEER[*]} --model $SMALL --workload reference ${REQS[*]} --batch-size 64 --result-file /tmp/peer-smollm2.json
-${PEER[*]} --model $QWEN --workload nano-vllm ${NANO_REQS[*]} --batch-size $PEER_BATCH --result-file /tmp/peer-qwen3.json
+${PEER[*]} --model $SMALL --workload reference ${REQS[*]:0:2} --batch-size 64 --result-file /tmp/peer-smollm2.json
+${PEER[*]} --model $QWEN --workload $PEER_NANO ${NANO[*]:2} --batch-size $PEER_BATCH --result-file /tmp/peer-qwen3.json
 ${PEER[*]} --model $LLAMA --result-file /tmp/peer-llama3.json"
 "$PY" - "$OUT/hf-peer.json" /tmp/peer-smollm2.json /tmp/peer-qwen3.json /tmp/peer-llama3.json \
     <<'EOF' >>"$LOG" 2>&1

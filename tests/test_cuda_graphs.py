@@ -30,7 +30,7 @@ from conveyor.runner.cuda_graphs import (
 )
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner, allocate_kv_caches
 
-BLOCK_SIZE = 4
+BLOCK_SIZE = 16  # (an int8 cache needs a multiple of 16)
 SHAPE = ModelConfig(architecture="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=8, qk_norm=True, max_position_embeddings=256)
@@ -64,7 +64,7 @@ def _setup(kv_cache_dtype: str, max_num_seqs: int = 8, device: str = "cpu",
     scratch block) holding random K/V in every slot, and a graph runner over it."""
     model = build_model(SHAPE, dtype, torch.device(device), None, seed=3)
     model.use_ops(reference)
-    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=128 << 10,
+    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=256 << 10,
                         kv_cache_dtype=kv_cache_dtype)
     layout = KVCacheLayout.from_budget(SHAPE, cache, dtype)
     kv_caches, _ = allocate_kv_caches(model, layout, torch.device(device), SCRATCH_BLOCKS)
@@ -81,11 +81,11 @@ def _setup(kv_cache_dtype: str, max_num_seqs: int = 8, device: str = "cpu",
 
 def _decode_step(n: int, layout: KVCacheLayout, seed: int
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """n decodes with contexts of 1-24 tokens in distinct random blocks (as the runner lays
+    """n decodes with contexts of 1-60 tokens in distinct random blocks (as the runner lays
     them out: tables [n, the longest's blocks], zero-padded)."""
     rng = random.Random(seed)
     blocks = rng.sample(range(layout.num_blocks), layout.num_blocks)
-    lens = [rng.randint(1, 24) for _ in range(n)]
+    lens = [rng.randint(1, 60) for _ in range(n)]
     width = -(-max(lens) // BLOCK_SIZE)
     tables = torch.zeros(n, width, dtype=torch.int64)
     slots = []
@@ -110,6 +110,8 @@ def _check_step(model: Any, kv_caches: torch.Tensor, layout: KVCacheLayout,
     meta = AttentionMetadata(meta.slot_mapping.to(device), n,
                              meta.decode_block_tables.to(device),
                              meta.decode_context_lens.to(device), [])
+    scratch = layout.num_blocks
+    kv_caches[:, :, scratch] = 0  # (padded rows write the same K/V at every step)
     eager_cache, before = kv_caches.clone(), kv_caches.clone()
     expected = model.compute_logits(model(ids, positions, eager_cache, meta))
     logits = model.compute_logits(graphs.run(ids, positions, meta))
@@ -121,7 +123,6 @@ def _check_step(model: Any, kv_caches: torch.Tensor, layout: KVCacheLayout,
         elif kv_caches.dtype != torch.int8:  # (int8: a scale's bytes are not close)
             torch.testing.assert_close(kv_caches[:, :, block], eager_cache[:, :, block],
                                        rtol=tol, atol=tol)
-    scratch = layout.num_blocks
     padded = bucket_for(n, graphs.spec.batch_sizes) != n
     assert padded == (not torch.equal(kv_caches[:, :, scratch], before[:, :, scratch]))
 
