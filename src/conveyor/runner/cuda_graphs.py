@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class CudaGraphRunner:
         self.context_lens = buffer(rows)
         # bucket -> a call that replays its graph and returns its output [B, hidden]
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self._pool: tuple[int, int] | None = None  # the graphs' shared memory pool
+        self._pool: Any = None  # the graphs' shared memory pool (torch's opaque handle)
         self.replays = 0  # steps run through a graph
 
     @property
