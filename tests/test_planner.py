@@ -155,7 +155,8 @@ def test_unknown_presets_list_the_known_ones() -> None:
 
 def test_presets_cover_the_brief() -> None:
     assert set(MODEL_PRESETS) == {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b",
-                                  "llama-3-70b", "mistral-7b", "qwen2.5-7b", "smollm2-135m"}
+                                  "llama-3-70b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b",
+                                  "smollm2-135m"}
     assert set(DEVICE_PRESETS) == {"A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB", "H200"}
     assert device_preset("h200").memory_bytes == 141e9  # case-insensitive, GB = 1e9
 

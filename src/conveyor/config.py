@@ -149,6 +149,9 @@ class LoadConfig:
         True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 weight blocks in place (the exact GGUF "
               "weights, fewer bytes than bf16/float32 copies)")
     device: str = setting("auto", "auto, cpu or cuda")
+    enforce_eager: bool = setting(
+        False, "CUDA: run every step eagerly; otherwise decode-only steps replay CUDA graphs "
+               "captured at start per batch-size bucket (no effect on CPU)")
     served_model_name: str | None = setting(None, "model name in the API (default: the "
                                                   "model path)")
 

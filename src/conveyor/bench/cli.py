@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from conveyor.bench import serve_cli
@@ -19,12 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = sub.add_parser("offline", help="a seeded workload through LLM.generate")
-    offline.add_argument("--num-requests", type=int, default=64)
+    offline.add_argument("--num-requests", type=int, default=None,
+                         help="default: the workload's (64; nano-vllm: 256)")
     offline.add_argument("--workload-seed", type=int, default=0)
-    offline.add_argument("--workload", choices=("reference", "grounded"), default="reference",
+    offline.add_argument("--workload", choices=("reference", "grounded", "nano-vllm"),
+                         default="reference",
                          help="reference: random prompts, fixed output lengths; grounded: "
                               "chat requests to repeat, correct or reformat a passage of "
-                              "their prompt (greedy, real EOS), what speculation serves")
+                              "their prompt (greedy, real EOS), what speculation serves; "
+                              "nano-vllm: its benchmark, 256 requests with prompt and output "
+                              "lengths uniform in 100-1024 (ignore_eos)")
     offline.add_argument("--no-warmup", dest="warmup", action="store_false",
                          help="skip the untimed warm-up run of each engine")
     offline.add_argument("--roofline-batches", type=int, nargs="*", default=[1, 16, 64])
@@ -56,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_offline_cmd(args: argparse.Namespace) -> int:
     from conveyor.bench.grounded import GroundedWorkload
-    from conveyor.bench.offline import Workload, format_offline, run_offline
+    from conveyor.bench.offline import WORKLOADS, format_offline, run_offline
     from conveyor.engine.llm import LLM
 
     engine_args = engine_args_from(args)
@@ -65,8 +70,9 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     reference = LLM.from_engine_args(engine_args) if args.against_reference_ops else None
     against = (LLM.from_engine_args(engine_args_from(args, **overrides)), args.against) \
         if overrides else None
-    workload = (GroundedWorkload if args.workload == "grounded" else Workload)(
-        num_requests=args.num_requests, seed=args.workload_seed)
+    base = GroundedWorkload() if args.workload == "grounded" else WORKLOADS[args.workload]
+    workload = replace(base, num_requests=args.num_requests or base.num_requests,
+                       seed=args.workload_seed)
     # The roofline times rank 0's bare matmuls alone: at TP > 1 its LM head's all-gather
     # would wait for ranks that are not running them.
     roofline = tuple(args.roofline_batches) if engine_args.tensor_parallel_size == 1 else ()

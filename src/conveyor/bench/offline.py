@@ -50,6 +50,14 @@ class Workload:
         return self.requests(llm.engine.model_config.vocab_size)
 
 
+# nano-vllm's benchmark (its bench.py, the workload of vLLM's published comparison): 256
+# requests, prompt and output lengths each uniform in 100-1024 tokens, ignore_eos.
+NANO_VLLM_WORKLOAD = Workload(num_requests=256, prompt_len=(100, 1024),
+                              short_output=(100, 1024), long_fraction=0.0)
+# `conveyor bench offline --workload NAME` (besides "grounded", conveyor.bench.grounded)
+WORKLOADS = {"reference": Workload(), "nano-vllm": NANO_VLLM_WORKLOAD}
+
+
 @dataclass
 class OfflineResult:
     num_requests: int

@@ -34,6 +34,7 @@ from conveyor.model.loader import Checkpoint, load_checkpoint
 from conveyor.model.parallel import ShardPlan, check_tensor_parallel
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
+from conveyor.runner.cuda_graphs import CudaGraphSpec
 from conveyor.runner.draft import DraftModelProposer, load_draft_model
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.runner.tensor_parallel import TensorParallelError, TensorParallelExecutor
@@ -122,8 +123,12 @@ class LLMEngine:
             model = load_model(checkpoint, args, self.device, self.dtype)
             drafter = (DraftModelProposer(draft, self.kv_layout, self.device)
                        if draft is not None else None)
+            # No graphs with a draft model: its proposals run their own forward passes.
+            graphs = None if drafter is not None else CudaGraphSpec.for_engine(
+                self.device, args.enforce_eager, self.scheduler_config.max_num_seqs,
+                self.scheduler_config.max_model_len, self.kv_layout.block_size)
             return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars,
-                               drafter=drafter)
+                               drafter=drafter, cuda_graphs=graphs)
 
         self.executor = executor = TensorParallelExecutor.start(
             args, self.model_config, self.device, self.dtype, self.kv_layout)

@@ -153,19 +153,36 @@ def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
     return Checkpoint(path, "dummy" if dummy else "safetensors", config, tokenizer, source)
 
 
+def _shape_preset(model: str | None) -> tuple[str, ModelConfig] | None:
+    """The built-in shape called ``model`` (``conveyor plan``'s presets: llama-3-8b,
+    qwen3-0.6b...), when no file or folder has that name. It has no tokenizer (prompts are
+    token ids) unless one is given: a random model samples ids past a small tokenizer's."""
+    if model is None or os.path.exists(os.path.expanduser(model)):
+        return None
+    from conveyor.planner.presets import MODEL_PRESETS
+
+    return next(((name, c) for name, c in MODEL_PRESETS.items() if name == model.lower()), None)
+
+
 def load_checkpoint(model: str | None, load_format: str = "auto",
                     tokenizer: str | None = None) -> Checkpoint:
     """Read a checkpoint's config and tokenizer; its weights stream from `.tensors()`.
 
     model: a .gguf file or an HF folder (None = the default SmolLM2 GGUF); with "dummy" also a
-    config.json path. tokenizer: another GGUF file or HF folder to take the tokenizer from.
-    Unknown architectures raise ValueError naming them.
+    config.json path or a built-in shape's name (``_shape_preset``). tokenizer: another GGUF
+    file or HF folder to take the tokenizer from. Unknown architectures raise ValueError naming
+    them.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
-    path = resolve_model_path(model)
     tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
+    if (preset := _shape_preset(model)) is not None:
+        if load_format != "dummy":
+            raise ValueError(f"model {model!r} is a built-in shape without weights: pass "
+                             "load_format='dummy' (--load-format dummy)")
+        return Checkpoint(preset[0], "dummy", preset[1], tok)
+    path = resolve_model_path(model)
     dummy = load_format == "dummy"
     if dummy:
         is_gguf = os.path.isfile(path) and path.endswith(".gguf")

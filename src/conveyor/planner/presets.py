@@ -50,6 +50,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=131072,
         attention_bias=True, bos_token_id=151643, eos_token_ids=(151643,)),
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,)),
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

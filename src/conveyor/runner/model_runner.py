@@ -25,6 +25,7 @@ from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from conveyor.model.llama import CausalLM
 from conveyor.ops import for_device
 from conveyor.ops.reference import kv_cache_shape
+from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
@@ -88,9 +89,10 @@ def _kv_bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dty
     return model.num_hidden_layers * math.prod(shape) * element.itemsize // cache.block_size
 
 
-def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model``'s paged K/V on ``device`` and its host swap space (indexed alike), zeroed.
+def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.device,
+                       extra_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s paged K/V on ``device`` and its host swap space (indexed alike), zeroed;
+    ``extra_blocks`` past the layout's (the CUDA graphs' scratch block) on the device.
 
     [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
     block_size * (D + 4)], see conveyor.ops.reference)."""
@@ -109,7 +111,7 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
         # the memory it holds, and too little fails at start.
         return tensor.zero_()
 
-    return cache(layout.num_blocks, device), cache(
+    return cache(layout.num_blocks + extra_blocks, device), cache(
         layout.num_swap_blocks, "cpu",
         pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
 
@@ -117,7 +119,8 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  seed: int = 0, grammars: GrammarCompiler | None = None,
-                 sampling: bool = True, drafter: DraftModelProposer | None = None) -> None:
+                 sampling: bool = True, drafter: DraftModelProposer | None = None,
+                 cuda_graphs: CudaGraphSpec | None = None) -> None:
         self.model = model
         # False on tensor-parallel ranks other than 0: they run the model (its collectives)
         # and keep the tokens in step with rank 0's samples (``add_sampled``), but rank 0
@@ -126,7 +129,13 @@ class ModelRunner:
         self.device = device
         self.block_size = layout.block_size
         # kv_caches, and the host copies of swapped-out blocks, indexed like them
-        self.kv_caches, self.swap_space = allocate_kv_caches(model, layout, device)
+        self.kv_caches, self.swap_space = allocate_kv_caches(
+            model, layout, device, SCRATCH_BLOCKS if cuda_graphs is not None else 0)
+        # Decode-only steps replay a captured graph (CUDA; captured now, the cache exists)
+        self.graphs = None if cuda_graphs is None else CudaGraphRunner(
+            model, self.kv_caches, cuda_graphs, layout.num_blocks, layout.block_size)
+        if self.graphs is not None:
+            self.graphs.capture()
         # Speculative decoding with a draft model: its own K/V under the same block tables
         self.drafter = drafter
         self.sampler = Sampler(device, seed, for_device(device))
@@ -146,6 +155,8 @@ class ModelRunner:
         self.sampler.ops = ops
         if self.drafter is not None:
             self.drafter.model.use_ops(ops)
+        if self.graphs is not None:  # the graphs launch the old ops' kernels
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -165,7 +176,10 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         samplers = [s for s in batch if s.samples]
         masks = self._start_bitmasks(samplers)  # filled while the forward pass runs
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.eligible(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not samplers:
             return ModelRunnerOutput({})
         # A sampling request's rows: its last token's, after its drafts' (a verify).
@@ -294,14 +308,14 @@ class ModelRunner:
             generated = max(0, end - max(start, self.prompt_lens[s.request_id]))
             table_t = None
             if start > 0 or generated:
-                table_t = torch.tensor(s.block_ids[:-(-end // bs)], device=self.device)
+                table_t = self._upload(s.block_ids[:-(-end // bs)])
             prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
                                          start, table_t, generated))
         pos_parts.insert(0, np.array(decode_pos, dtype=np.int64))
         slot_parts.insert(0, np.array(decode_slots, dtype=np.int64))
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(self.device)
-        slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = self._upload(np.concatenate(pos_parts))
+        slot_mapping = self._upload(np.concatenate(slot_parts))
+        input_ids = self._upload(ids)
         decode_tables, decode_lens = self._decode_context(batch[:num_decodes])
         meta = AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefills)
         return input_ids, positions, meta
@@ -318,5 +332,13 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             n = min(len(s.block_ids), max_blocks)
             tables[i, :n] = s.block_ids[:n]
-        return (torch.from_numpy(tables).to(self.device),
-                torch.from_numpy(ctx_lens.astype(np.int64)).to(self.device))
+        return self._upload(tables), self._upload(ctx_lens)
+
+    def _upload(self, host: np.ndarray | list[int]) -> torch.Tensor:
+        """Host integers as an int64 tensor on the device. On CUDA through pinned memory,
+        copied asynchronously: the host goes on building the step meanwhile (torch's pinned
+        memory cache keeps the buffer until its copy has run)."""
+        tensor = torch.as_tensor(host, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
