@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import StreamingResponse
 
 from conveyor.deploy.bridge import ForwardedRequest, ResponseStart, call_asgi, routing_text
-from conveyor.deploy.config import DeployConfig, replica_cpus
+from conveyor.deploy.config import DeployConfig, check_ray_address_answers, replica_cpus
 from conveyor.deploy.prefix_index import PrefixIndex
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3
@@ -113,6 +114,23 @@ def test_deploy_config_names_the_bad_field() -> None:
         DeployConfig(replicas=0)
     with pytest.raises(ValueError, match="routing must be one of pow2, prefix"):
         DeployConfig(routing="random")
+    with pytest.raises(ValueError, match=r"ray_address \(--ray-address\) must be 'auto'"):
+        DeployConfig(ray_address="head-node")
+    for address in (None, "auto", "local", "10.0.0.5:6379", "ray://head:10001"):
+        assert DeployConfig(ray_address=address).ray_address == address
+
+
+def test_a_ray_address_where_nothing_answers_names_the_flag() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        open_address = f"127.0.0.1:{listening.getsockname()[1]}"
+        check_ray_address_answers(open_address)
+        check_ray_address_answers("ray://" + open_address)
+    with pytest.raises(ValueError, match=f"--ray-address {open_address}: no Ray cluster "
+                                         "answers there"):
+        check_ray_address_answers(open_address, timeout_s=2)
+    check_ray_address_answers("auto")  # Ray looks that one up itself
 
 
 def test_replicas_without_ray_name_the_extra_to_install() -> None:

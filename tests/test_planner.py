@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.config import ModelConfig
 from conveyor.planner import cli
 from conveyor.planner.models import resolve_model
 from conveyor.planner.plan import (
@@ -78,10 +79,56 @@ def test_llama2_70b_fp16_needs_two_80gb_devices() -> None:
     assert two.kv_tokens == int(per_device_budget // 163_840)
 
 
-def test_tp_beyond_kv_heads_replicates_heads() -> None:
-    plan = plan_capacity(model_preset("llama-2-70b"), A100_80, FP16, FP16, 1000, 1, RESERVE,
-                         tp=16)
-    assert plan.kv_bytes_per_token_per_device == 80 * 1 * 128 * 2 * 2  # one head each
+# A tiny shape whose MLP (2 GGUF blocks wide) bounds the split before its 8 KV heads do.
+NARROW_MLP = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64,
+                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=8)
+
+
+@pytest.mark.parametrize("name, config, accepted", [
+    ("smollm2-135m", model_preset("smollm2-135m"), [1, 2, 3]),  # 9 heads in 3 KV groups
+    ("llama-2-70b", model_preset("llama-2-70b"), [1, 2, 3, 4, 5, 6, 7, 8]),  # 8 KV heads
+    ("narrow-mlp", NARROW_MLP, [1, 2]),
+])
+def test_planner_and_engine_accept_the_same_tensor_parallel_sizes(
+        name: str, config: ModelConfig, accepted: list[int]) -> None:
+    from conveyor.model.parallel import ShardPlan  # the engine's split (imports torch)
+
+    engine, planner = [], []
+    for tp in range(1, 12):
+        try:
+            shard = ShardPlan(config, 0, tp)
+            engine.append(tp)
+        except ValueError as e:
+            assert f"tensor_parallel_size={tp} exceeds" in str(e)
+        try:
+            plan = plan_capacity(config, A100_80, FP16, FP16, 100, 1, RESERVE, tp=tp)
+            planner.append(tp)
+        except ValueError as e:
+            assert f"--tensor-parallel-size={tp} exceeds" in str(e)
+            continue
+        # Every rank holds whole KV heads and MLP columns, and the planner sizes a device's
+        # KV as the engine sizes every rank's cache (by the rank with the most heads).
+        ranks = [ShardPlan(config, rank, tp).local_config for rank in range(tp)]
+        assert all(r.num_key_value_heads >= 1 and r.intermediate_size >= 1 for r in ranks)
+        assert sum(r.num_key_value_heads for r in ranks) == config.num_key_value_heads
+        assert plan.kv_bytes_per_token_per_device == \
+            shard.cache_config().kv_bytes_per_token(FP16)
+    assert engine == planner == accepted
+
+
+def test_min_tp_stops_where_the_engine_stops(capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama-2-70B on 16 GB devices would need 16 of them; the engine splits it 8 ways at most.
+    small = DeviceSpec("16GB", 16e9, 1e12, 100e12)
+    plan = plan_capacity(model_preset("llama-2-70b"), small, FP16, FP16, 1000, 1, RESERVE)
+    assert plan.min_tp is None
+    assert cli.main(["--model", "llama-2-70b", "--memory-gb", "16", "--bandwidth-gbs", "1000",
+                     "--tflops", "100"]) == 0
+    assert "none: the engine splits this model at most 8 ways" in capsys.readouterr().out
+    # SmolLM2's 3 KV heads at 2 devices: uneven (2 + 1), which the engine runs.
+    uneven = plan_capacity(model_preset("smollm2-135m"), DeviceSpec("tiny", 0.3e9, 1e11, 1e13),
+                           FP16, FP16, 1000, 1, RESERVE)
+    assert uneven.min_tp == 2 and not uneven.min_tp_divides_kv_heads
 
 
 def test_gqa_llama3_8b_kv_bytes_per_token() -> None:
@@ -134,7 +181,8 @@ def test_mha_at_long_seq_len_never_turns_compute_bound() -> None:
 
 
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"seq_len": 0}, "--seq-len"), ({"batch": 0}, "--batch"), ({"tp": 3}, "--tp"),
+    ({"seq_len": 0}, "--seq-len"), ({"batch": 0}, "--batch"),
+    ({"tp": 33}, "--tensor-parallel-size"),
     ({"activation_reserve": -1}, "--activation-reserve"), ({"dtype_bytes": 0}, "--dtype"),
 ])
 def test_bad_input_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
@@ -327,7 +375,7 @@ def test_cli_tensor_parallel_and_replicas(capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.parametrize("extra, flag", [
     (["--replicas", "0"], "--replicas"),
-    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),  # 64 heads
+    (["--tensor-parallel-size", "9"], "--tensor-parallel-size=9 exceeds"),  # 8 KV heads
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--link", "ethernet"], "--link: unknown preset 'ethernet'; known: nvlink3"),
     (["--link-gbs", "0"], "--link-gbs"),

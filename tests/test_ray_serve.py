@@ -1,8 +1,9 @@
 """`conveyor serve --replicas 2 --routing prefix`: two engine replicas of a tiny random model
 on a local Ray Serve, behind one endpoint (run alone: `pytest -m ray`).
 
-One deployment serves the module (Ray and two replicas start in ~30 s on 2 cores); the
-replica-killing test runs last.
+The module starts one Ray cluster (in this process) and `conveyor serve --ray-address` joins
+it; one test also runs `conveyor.deploy.build_app` (pow2 routing) on it with `serve.run`.
+The replica-killing test runs last.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,8 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import ServerProcess, metric_value, start_server
+import conveyor
+from server_fixtures import ServerProcess, free_port, metric_value, start_server
 
 pytestmark = pytest.mark.ray
 
@@ -33,17 +38,47 @@ RESTART_TIMEOUT_S = 90.0
 LONG = 800  # tokens: requests still running when the replica is killed (prompt + LONG < 1024)
 
 
+# Each engine replica's settings (flags for `conveyor serve`, fields for build_app).
+ENGINE = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory": "4MiB"}
+
+
 @pytest.fixture(scope="module")
-def replicas(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[ServerProcess]:
+def cluster() -> Iterator[str]:
+    """A local Ray cluster (its head's address) with 4 logical CPUs: the CLI's two replicas
+    and build_app's two (each replica reserves one)."""
+    import ray
+
+    # Ray's workers inherit its processes' environment: they import conveyor from this
+    # checkout (an absolute path, whatever directory they run in).
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(conveyor.__file__).parents[1]), *filter(None, [before])])
+    try:
+        context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tmp_path_factory.mktemp("tiny-chat") / "model"
     shutil.copytree(tiny_llama_dir, model)
     config_path = model / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    server = start_server("--model", str(model), "--dtype", "float32", "--max-model-len",
-                          "1024", "--kv-cache-memory", "4MiB", "--replicas", "2",
-                          "--routing", "prefix")
+    return model
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster: str, chat_model: Path) -> Iterator[ServerProcess]:
+    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    server = start_server("--model", str(chat_model), *flags, "--replicas", "2",
+                          "--routing", "prefix", "--ray-address", cluster)
     yield server
     assert server.stop() == 0, server.log_tail()
     server.remove_log()
@@ -105,7 +140,8 @@ def test_prefix_routing_keeps_a_system_prompt_on_one_replica(replicas: ServerPro
         chosen.append(answer.headers["x-conveyor-replica"])
     assert len(set(chosen)) == 1, chosen
     home = chosen[0]
-    after = _wait_for(replicas, lambda text: metric_value(
+    # Both replicas' latest pushes (on a loaded machine one may be a few seconds late).
+    after = _wait_for(replicas, lambda text: len(_live_replicas(text)) == 2 and metric_value(
         text, "conveyor:request_success_total", replica=home, finished_reason="length")
         >= metric_value(before, "conveyor:request_success_total", replica=home,
                         finished_reason="length") + 6)
@@ -120,6 +156,65 @@ def test_prefix_routing_keeps_a_system_prompt_on_one_replica(replicas: ServerPro
     assert grew("conveyor:replica_requests_total", replica=others.pop()) == 0
     # The system prompt's KV blocks were reused on its replica: prefill skipped them.
     assert grew("conveyor:prefix_cache_hits_total", replica=home) >= 5 * 16
+
+
+def test_one_request_id_header_the_replicas_own(replicas: ServerProcess) -> None:
+    url = replicas.base_url + "/v1/chat/completions"
+    fresh = httpx.post(url, json=_chat(SYSTEM_B, "an id"), timeout=60)
+    given = httpx.post(url, json=_chat(SYSTEM_B, "my id"), timeout=60,
+                       headers={"X-Request-Id": "client-id-42"})
+    for response, expected in ((fresh, None), (given, "client-id-42")):
+        assert response.status_code == 200, response.text
+        ids = response.headers.get_list("x-request-id")
+        assert len(ids) == 1 and ids[0] == (expected or ids[0]), ids
+        # The replica's app named the request by the same id (its logs and errors say it).
+        assert response.json()["id"] == f"chatcmpl-{ids[0]}"
+    bad = httpx.post(url, json=_chat(SYSTEM_B, "bad id"), headers={"X-Request-Id": "a b"},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+
+
+def test_build_app_on_a_running_cluster_with_pow2_routing(replicas: ServerProcess,
+                                                          chat_model: Path) -> None:
+    from ray import serve
+
+    from conveyor.config import EngineArgs
+    from conveyor.deploy import DeployConfig, build_app
+    from conveyor.server.config import ServerConfig
+
+    app = build_app(EngineArgs(model=str(chat_model), **ENGINE), ServerConfig(),
+                    DeployConfig(replicas=2, routing="pow2"), app_name="pow2")
+    serve.run(app, name="pow2", route_prefix="/pow2")  # beside the CLI's app, on its proxy
+    try:
+        base = replicas.base_url + "/pow2"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model=replicas.model, prompt="the sea", max_tokens=5,
+                                           temperature=0)
+        assert answer.usage is not None and answer.usage.completion_tokens == 5
+        with ThreadPoolExecutor(8) as pool:  # together: the shorter queue wins each time
+            answers = list(pool.map(lambda i: httpx.post(
+                base + "/v1/completions", timeout=120, json={
+                    "prompt": f"request {i}", "max_tokens": 24, "temperature": 0}), range(8)))
+        assert [a.status_code for a in answers] == [200] * 8
+        chosen = [a.headers["x-conveyor-replica"] for a in answers]
+        assert len(set(chosen)) == 2, chosen
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        counted = {r: metric_value(metrics, "conveyor:replica_requests_total", replica=r)
+                   for r in set(chosen)}
+        assert sum(counted.values()) == 9 and set(_live_replicas(metrics)) == set(chosen)
+        assert "conveyor:routing_decisions_total{" not in metrics  # the prefix router's
+    finally:
+        serve.delete("pow2")
+
+
+def test_a_ray_address_where_no_cluster_answers_is_a_clear_error() -> None:
+    main = "import sys; from conveyor.cli import main; sys.exit(main(sys.argv[1:]))"
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, "-c", main, "serve", "--replicas", "1",
+                           "--ray-address", address], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"--ray-address {address}: no Ray cluster answers there" in done.stderr
 
 
 def _stream(base_url: str, body: dict[str, Any], out: dict[str, Any]) -> None:

@@ -158,6 +158,30 @@ def test_every_response_has_a_request_id(server: ServerProcess, http: httpx.Clie
     assert response.json()["id"] == "cmpl-" + response.headers["x-request-id"]
 
 
+def test_a_clients_request_id_is_echoed_and_names_the_request(server: ServerProcess,
+                                                              http: httpx.Client):
+    given = {"X-Request-Id": "gateway-7f3a"}  # as a gateway or Ray Serve's proxy sends it
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                         headers=given)
+    assert response.headers.get_list("x-request-id") == ["gateway-7f3a"]
+    assert response.json()["id"] == "cmpl-gateway-7f3a"
+    before = server.log_tail(1_000_000).count(SECRET)
+    failed = http.post("/v1/completions", json={"model": FAULT_MODEL, "prompt": "Hello"},
+                       headers=given)
+    assert _error(failed, 500)["message"] == "internal error (request id gateway-7f3a)"
+    assert "internal error (request id gateway-7f3a)" in _wait_for_log(server, SECRET,
+                                                                      before + 1)
+    body = {"prompt": "Hi", "max_tokens": 64, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body, headers=given) as running:
+        next(running.iter_lines())  # in flight: its id is taken until it ends
+        twin = http.post("/v1/completions", json={"prompt": "Hi"}, headers=given)
+        assert "already in use" in _error(twin)["message"]
+    for bad in ("has space", "x" * 129, "caf\u00e9"):
+        refused = http.get("/health", headers={"X-Request-Id": bad.encode("utf-8")})
+        assert _error(refused, 400)["param"] == "x-request-id"
+        assert len(refused.headers.get_list("x-request-id")) == 1
+
+
 # ---------------------------------------------------------------------- finding 3
 def _bad_chat(client: openai.OpenAI, server: ServerProcess, **kwargs: object) -> dict:
     with pytest.raises(openai.BadRequestError) as info:

@@ -280,9 +280,46 @@ class ParallelConfig:
            "model's KV heads")
 
     def __post_init__(self) -> None:
-        n = self.tensor_parallel_size
-        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
-                 "tensor_parallel_size", "an integer >= 1", n)
+        _require_tp_size(self.tensor_parallel_size, "tensor_parallel_size")
+
+
+def _require_tp_size(size: object, name: str) -> None:
+    _require(isinstance(size, int) and not isinstance(size, bool) and size >= 1, name,
+             "an integer >= 1", size)
+
+
+# Row-parallel matmuls split K; GGUF stores 32 weights of a row per block, so an MLP split
+# at multiples of 32 lets each shard keep reading its blocks in place.
+GGUF_BLOCK = 32
+
+
+def mlp_unit(config: ModelConfig) -> int:
+    """The tensor-parallel MLP split's granularity: a GGUF block where the width allows."""
+    return GGUF_BLOCK if config.intermediate_size % GGUF_BLOCK == 0 else 1
+
+
+def max_tensor_parallel_size(config: ModelConfig) -> int:
+    """The most ranks the engine splits ``config`` over: every rank holds whole KV heads
+    (never replicated; they need not divide evenly) and at least one MLP split unit."""
+    return min(config.num_key_value_heads, config.intermediate_size // mlp_unit(config))
+
+
+def check_tensor_parallel(config: ModelConfig, size: int,
+                          name: str = "tensor_parallel_size") -> None:
+    """ValueError naming ``name`` unless the engine can split ``config`` over ``size`` ranks
+    (conveyor.model.parallel says which part each holds). The one rule: the engine,
+    ``conveyor plan --tensor-parallel-size`` and ``conveyor simulate --tp`` all call it."""
+    _require_tp_size(size, name)
+    if size <= max_tensor_parallel_size(config):
+        return
+    if size > config.num_key_value_heads:
+        raise ValueError(
+            f"{name}={size} exceeds the model's num_key_value_heads="
+            f"{config.num_key_value_heads}: each rank holds whole KV heads (they are not "
+            "replicated)")
+    units = config.intermediate_size // mlp_unit(config)
+    raise ValueError(f"{name}={size} exceeds the model's MLP width ({units} columns of "
+                     f"{mlp_unit(config)})")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

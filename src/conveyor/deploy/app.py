@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
-from conveyor.deploy.config import DeployConfig, replica_cpus
+from conveyor.deploy.config import DeployConfig, check_ray_address_answers, replica_cpus
 from conveyor.deploy.frontend import Frontend
 from conveyor.deploy.replica import EngineReplica, replica_options
 from conveyor.server.config import ServerConfig
@@ -63,7 +63,7 @@ def serve_replicas(engine_args: EngineArgs, server_config: ServerConfig,
                    deploy_config: DeployConfig) -> int:
     """`conveyor serve --replicas N`: start (or join) Ray, run the app, serve until
     SIGTERM/SIGINT, then shut Serve down (in-flight requests get `shutdown_timeout`)."""
-    ray.init(address=deploy_config.ray_address, include_dashboard=False)
+    _init_ray(deploy_config.ray_address)
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(build_app(engine_args, server_config, deploy_config), name=APP_NAME,
@@ -78,6 +78,17 @@ def serve_replicas(engine_args: EngineArgs, server_config: ServerConfig,
     finally:
         ray.shutdown()
     return 0
+
+
+def _init_ray(address: str | None) -> None:
+    """Start a local Ray cluster (None, "local") or join one ("auto": the one running on this
+    machine; "host:port", "ray://host:port"); ValueError naming --ray-address when there is
+    none to join (at an address where nothing answers, Ray itself would retry for a minute)."""
+    check_ray_address_answers(address)
+    try:
+        ray.init(address=address, include_dashboard=False)
+    except ConnectionError as e:  # "auto" with no cluster running here
+        raise ValueError(f"--ray-address {address}: {e}") from e
 
 
 def _wait_for_signal() -> None:

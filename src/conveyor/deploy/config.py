@@ -4,11 +4,17 @@ here, so the flags exist and are checked without the optional extra)."""
 from __future__ import annotations
 
 import logging
+import re
+import socket
 from dataclasses import dataclass
 
 from conveyor.config import _require
 
 ROUTINGS = ("pow2", "prefix")
+# A Ray cluster's address: its GCS "host:port", or a Ray Client "ray://host:port".
+_RAY_ADDRESS = re.compile(r"(ray://)?[^\s:/]+:[0-9]{1,5}")
+# Seconds --ray-address may take to accept a connection before it is reported missing.
+RAY_CONNECT_TIMEOUT_S = 5.0
 RAY_EXTRA_HINT = "pip install -e '.[ray]'"
 
 logger = logging.getLogger("conveyor.deploy")
@@ -30,7 +36,8 @@ class DeployConfig:
     routing: str = "pow2"
     # Queue-length gap (requests) past which prefix affinity yields to power of two choices.
     routing_imbalance_threshold: int = 4
-    # None: start a local Ray cluster; "auto" or "ray://host:port": join a running one.
+    # None or "local": start a local Ray cluster; "auto" (the one running on this machine),
+    # "host:port" (its GCS) or "ray://host:port" (Ray Client): join a running one.
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
@@ -40,6 +47,24 @@ class DeployConfig:
                  self.routing)
         _require(self.routing_imbalance_threshold >= 0, "routing_imbalance_threshold", ">= 0",
                  self.routing_imbalance_threshold)
+        address = self.ray_address
+        _require(address is None or address in ("auto", "local")
+                 or _RAY_ADDRESS.fullmatch(address) is not None, "ray_address (--ray-address)",
+                 "'auto', 'local', 'host:port' or 'ray://host:port'", address)
+
+
+def check_ray_address_answers(address: str | None,
+                              timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """ValueError naming --ray-address unless something accepts a TCP connection at a
+    'host:port' or 'ray://host:port' address within timeout_s (None, 'auto', 'local': no check)."""
+    if address is None or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({e}); start "
+                         "one with `ray start --head` or give its address") from e
 
 
 def require_ray() -> None:

@@ -28,7 +28,7 @@ from conveyor.deploy.metrics import (
     metrics_hub,
 )
 from conveyor.server.common import SSE_DONE, sse
-from conveyor.server.errors import error_body
+from conveyor.server.errors import REQUEST_ID_HEADER, error_body
 
 # What a handle raises when the replica it sent a request to died or cannot be reached.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
@@ -48,7 +48,7 @@ class Frontend:
         self._max_body_bytes = max_body_bytes
 
     async def __call__(self, request: Request) -> Response:
-        if request.method == "GET" and request.url.path == "/metrics":
+        if request.method == "GET" and _app_path(request) == "/metrics":
             snapshot = await self._hub.snapshot.remote(STALE_S)
             return Response(exposition(snapshot), media_type=METRICS_CONTENT_TYPE)
         forwarded = await _forwarded(request, self._max_body_bytes)
@@ -63,7 +63,11 @@ class Frontend:
             raise
         REPLICA_REQUESTS.labels(start.replica).inc()
         response = StreamingResponse(_rest(start, responses), status_code=start.status)
-        response.raw_headers = [*start.headers, (REPLICA_HEADER, start.replica.encode())]
+        # Ray Serve's proxy adds X-Request-Id to every response: the id it put on the request
+        # (the client's, else a new one), which the replica's app took as its own.
+        response.raw_headers = [*((k, v) for k, v in start.headers
+                                  if k.lower() != REQUEST_ID_HEADER),
+                                (REPLICA_HEADER, start.replica.encode())]
         return response
 
 
@@ -74,12 +78,20 @@ async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:
         body += chunk
         if len(body) > max_body_bytes:
             break
-    path = request.url.path
+    path = _app_path(request)
     client = request.client
     return ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                             list(request.scope.get("headers", [])), bytes(body),
                             (client.host, client.port) if client else None,
                             routing_text(path, bytes(body)))
+
+
+def _app_path(request: Request) -> str:
+    """The path below the application's route prefix (`serve.run(..., route_prefix=)`):
+    the replica's app serves its routes at the root."""
+    path: str = request.scope["path"]
+    root = request.scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
 async def _rest(start: ResponseStart, responses: Any) -> AsyncIterator[bytes]:

@@ -26,11 +26,8 @@ from typing import Any
 
 import torch
 
-from conveyor.config import ModelConfig
-
-# Row-parallel matmuls split K; GGUF stores 32 weights of a row per block, so an MLP split
-# at multiples of 32 lets each shard keep reading its blocks in place.
-GGUF_BLOCK = 32
+# Which sizes split a model is conveyor.config's rule (torch-free: `conveyor plan` uses it).
+from conveyor.config import ModelConfig, check_tensor_parallel, mlp_unit
 
 
 def split_range(total: int, parts: int, rank: int) -> tuple[int, int]:
@@ -114,25 +111,6 @@ class ShardPlan:
                  (".down_proj.", Slice(1, i0, i_n)), ("embed_tokens.", Slice(0, v0, vn)),
                  ("lm_head.", Slice(0, v0, vn)))
         return next((s for key, s in rules if key in name), None)
-
-
-def mlp_unit(config: ModelConfig) -> int:
-    """The MLP split's granularity: a GGUF block where the width allows."""
-    return GGUF_BLOCK if config.intermediate_size % GGUF_BLOCK == 0 else 1
-
-
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """ValueError naming tensor_parallel_size when this model cannot be split ``size``
-    ways: every rank needs a whole KV head (they are not replicated) and MLP columns."""
-    if size > config.num_key_value_heads:
-        raise ValueError(
-            f"tensor_parallel_size={size} exceeds the model's num_key_value_heads="
-            f"{config.num_key_value_heads}: each rank holds whole KV heads (they are not "
-            "replicated)")
-    units = config.intermediate_size // mlp_unit(config)
-    if size > units:
-        raise ValueError(f"tensor_parallel_size={size} exceeds the model's MLP width "
-                         f"({units} columns of {mlp_unit(config)})")
 
 
 def take(source: Any, shape: tuple[int, ...], part: Slice | None) -> Any:

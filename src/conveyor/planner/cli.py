@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from conveyor.config import ModelConfig
+from conveyor.config import ModelConfig, max_tensor_parallel_size
 from conveyor.planner.models import resolve_model
 from conveyor.planner.plan import (
     DTYPE_BYTES,
@@ -19,6 +19,7 @@ from conveyor.planner.plan import (
     DeviceSpec,
     ParallelPlan,
     dtype_bytes,
+    kv_heads_per_device,
     plan_capacity,
     plan_parallel,
 )
@@ -96,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bare number >= 1 is GB (default 5%%: 4 GB of an 80 GB A100, "
                              "leaving Llama-2-7B fp16 ~62 GB = ~119k tokens of KV)")
     parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
-                        help="devices one model copy is split over; must divide the attention "
-                             "heads (default 1)")
+                        help="devices one model copy is split over, as the engine splits it: "
+                             "at most the model's KV heads, which need not divide evenly "
+                             "(default 1)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="model copies (each on --tensor-parallel-size devices): totals "
                              "are per replica times this (default 1)")
@@ -199,16 +201,18 @@ def format_table(name: str, config: ModelConfig, device: DeviceSpec, dtype: str,
                  kv_dtype: str, plan: CapacityPlan, par: ParallelPlan | None = None) -> str:
     """The plan as an aligned, human-readable table (GB = 1e9 bytes)."""
     per_dev = " per device" if plan.tp > 1 else ""
-    heads = -(-config.num_key_value_heads // plan.tp)
+    heads = kv_heads_per_device(config, plan.tp)
     weights_only = f"{plan.compute_bound_batch_weights_only:,.0f} counting weight reads only"
     crossover = (f"never at --seq-len {plan.seq_len} (a sequence's KV reads outlast its "
                  f"FLOPs); {weights_only}" if plan.compute_bound_batch is None
                  else f"{plan.compute_bound_batch:,.0f}  ({weights_only})")
     if plan.min_tp is None:
-        tp_line = "more than 1024 devices"
+        tp_line = (f"none: the engine splits this model at most "
+                   f"{max_tensor_parallel_size(config)} ways (its KV heads and MLP)")
     else:
         split = ("divides" if plan.min_tp_divides_kv_heads
-                 else "does not divide: KV heads replicated")
+                 else "splits unevenly: the rank with the most holds "
+                      f"{kv_heads_per_device(config, plan.min_tp)} of")
         tp_line = (f"{plan.min_tp} x {device.name}  (weights + {plan.decode.batch} x "
                    f"{plan.seq_len} tokens of KV; {split} {config.num_key_value_heads} KV heads)")
     rows = [

@@ -12,8 +12,10 @@ of every running sequence, and does ``2 * num_parameters`` FLOPs per sequence:
 
 Setting the two equal gives the batch where decode turns compute-bound; when the KV term is
 small it is ``ops_per_byte * dtype_bytes / 2``, i.e. the device's ops:byte ratio in fp16.
-Tensor parallelism over ``tp`` devices: each device holds ``1/tp`` of the weights and
-``ceil(num_kv_heads / tp)`` KV heads (``CapacityPlan`` is that roofline alone); every layer
+Tensor parallelism over ``tp`` devices, split as the engine splits (``tp`` at most the KV
+heads, which need not divide evenly: ``conveyor.config.check_tensor_parallel``): each device
+holds about ``1/tp`` of the weights and its KV cache is sized for the rank with the most KV
+heads, ``ceil(num_kv_heads / tp)`` (``CapacityPlan`` is that roofline alone); every layer
 adds two ring all-reduces of the step's hidden states over the device link, in which each
 device sends ``2 (tp - 1) / tp * hidden_size * dtype_bytes`` per token
 (``allreduce_time``; ``plan_parallel`` adds it to the decode step, for ``replicas`` copies).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conveyor.config import ModelConfig
+from conveyor.config import ModelConfig, check_tensor_parallel, max_tensor_parallel_size
 
 # Bytes per element of a weight or KV dtype, by the names --dtype/--kv-dtype accept.
 DTYPE_BYTES: dict[str, int] = {
@@ -35,10 +37,10 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1, "float8": 1,
 }
 
-# The largest tensor-parallel degree min_tp searches before giving up.
-MAX_TP = 1024
 # Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
 ALLREDUCE_LATENCY_S = 10e-6
+# The flag that names the tensor-parallel size in the planner's errors.
+TP_FLAG = "--tensor-parallel-size"
 # All-reduces per layer under tensor parallelism: after attention (o_proj) and after the MLP.
 ALLREDUCES_PER_LAYER = 2
 
@@ -108,8 +110,9 @@ class CapacityPlan:
     decode_at_max_concurrency: DecodeBound | None  # at max_concurrent_seqs; None if 0
     compute_bound_batch: float | None  # batch where decode turns compute-bound; None: never
     compute_bound_batch_weights_only: float  # the same ignoring KV reads: ops:byte * bytes / 2
-    min_tp: int | None  # fewest devices (power of two) holding weights + batch sequences
-    min_tp_divides_kv_heads: bool  # min_tp splits the KV heads evenly (no replication)
+    min_tp: int | None  # fewest devices (a power of two the engine accepts) holding weights
+    #                     + batch sequences; None: no such split exists
+    min_tp_divides_kv_heads: bool  # min_tp splits the KV heads evenly (else unevenly)
 
 
 def reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
@@ -124,12 +127,17 @@ def reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
     return float(activation_reserve)
 
 
+def kv_heads_per_device(config: ModelConfig, tp: int) -> int:
+    """KV heads of the rank that holds the most (the first ones hold one more when ``tp``
+    does not divide them); every rank's cache has as many blocks as that rank's (one block
+    table), so it sizes them all."""
+    return math.ceil(config.num_key_value_heads / tp)
+
+
 def _kv_bytes_per_token_per_device(config: ModelConfig, kv_dtype_bytes: int, tp: int) -> int:
-    # kv_bytes_per_token is linear in the KV heads; with tp > num_kv_heads a head is
-    # replicated, so every device still holds at least one.
-    heads_per_device = math.ceil(config.num_key_value_heads / tp)
+    # kv_bytes_per_token is linear in the KV heads.
     per_head = config.kv_bytes_per_token(kv_dtype_bytes) // config.num_key_value_heads
-    return per_head * heads_per_device
+    return per_head * kv_heads_per_device(config, tp)
 
 
 def _kv_budget(device: DeviceSpec, weight_bytes: int, reserve_bytes: float,
@@ -177,27 +185,17 @@ def compute_bound_batch(config: ModelConfig, device: DeviceSpec, dtype_bytes: in
 def min_tensor_parallel(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
                         kv_dtype_bytes: int, seq_len: int, batch: int,
                         activation_reserve: float) -> int | None:
-    """Fewest devices (a power of two) that hold the weights plus ``batch`` sequences' KV."""
+    """Fewest devices (a power of two the engine can split the model over) that hold the
+    weights plus ``batch`` sequences' KV; None when no such split does."""
     reserve = reserve_bytes(device, activation_reserve)
     weight_bytes = config.num_parameters() * dtype_bytes
     tp = 1
-    while tp <= MAX_TP:
+    while tp <= max_tensor_parallel_size(config):
         tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp)
         if tokens >= batch * seq_len:
             return tp
         tp *= 2
     return None
-
-
-def check_tensor_parallel(config: ModelConfig, tp: int,
-                          flag: str = "--tensor-parallel-size (--tp)") -> None:
-    """ValueError naming `flag` unless `tp` >= 1 divides the attention heads (each device
-    holds whole heads; KV heads are split, or replicated when tp exceeds them)."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"{flag} must be an integer >= 1, got {tp!r}")
-    if config.num_attention_heads % tp:
-        raise ValueError(f"{flag} must divide the model's {config.num_attention_heads} "
-                         f"attention heads, got {tp}")
 
 
 def allreduce_bytes_per_token(config: ModelConfig, tp: int, dtype_bytes: int) -> float:
@@ -238,7 +236,7 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     held back on every device for activations, workspace and the runtime.
     """
     _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch)
-    check_tensor_parallel(model_config, tp)
+    check_tensor_parallel(model_config, tp, TP_FLAG)
     config = model_config
     reserve = reserve_bytes(device, activation_reserve)
     params = config.num_parameters()

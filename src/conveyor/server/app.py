@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,7 +27,9 @@ from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
 from conveyor.server.errors import (
     BODY_PARAM,
+    REQUEST_ID_HEADER,
     APIError,
+    bad_request,
     error_body,
     error_response,
     install_error_handlers,
@@ -64,9 +67,16 @@ class _BodyTooLarge(StarletteHTTPException):
                          f"the request body is larger than {limit} bytes")
 
 
+# A client's (or a proxy's) X-Request-Id is used when it is 1-128 visible ASCII characters:
+# it then names the request in logs, the response ids and errors, as Ray Serve's proxy and
+# vLLM take it; anything else is a 400 naming the header.
+_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+
 class RequestIds:
-    """ASGI middleware, the outermost: a request id on every response (``X-Request-Id``), and
-    any exception the app lets through answered as an opaque 500 naming that id.
+    """ASGI middleware, the outermost: a request id on every response (``X-Request-Id``: the
+    request's own, else a new one), and any exception the app lets through answered as an
+    opaque 500 naming that id.
 
     The traceback is logged here, once, under the same id; the exception does not go on to
     Starlette's error middleware and uvicorn, which would log it again.
@@ -79,7 +89,10 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
+        given = next((v for k, v in scope.get("headers", []) if k.lower() == REQUEST_ID_HEADER),
+                     None)
+        bad_id = given is not None and not _REQUEST_ID.fullmatch(given)
+        request_id = uuid.uuid4().hex if given is None or bad_id else given.decode("ascii")
         scope = {**scope, "state": {**scope.get("state", {}), "request_id": request_id}}
         started = False
 
@@ -88,11 +101,16 @@ class RequestIds:
             if message["type"] == "http.response.start":
                 started = True
                 headers = [*message.get("headers", []),
-                           (b"x-request-id", request_id.encode("ascii"))]
+                           (REQUEST_ID_HEADER, request_id.encode("ascii"))]
                 message = {**message, "headers": headers}
             await send(message)
 
         try:
+            if bad_id:
+                await error_response(bad_request(
+                    "the X-Request-Id header must be 1 to 128 visible ASCII characters "
+                    "(no spaces)", "x-request-id"))(scope, receive, send_with_id)
+                return
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
             error = internal_error(exc, request_id)

@@ -45,7 +45,8 @@ _DEPLOY_HELP = {
                "sharing a prompt prefix go to the replica that cached it)",
     "routing_imbalance_threshold": "with --routing prefix: queue-length gap (requests) past "
                                    "which prefix affinity yields to power of two choices",
-    "ray_address": "with --replicas: join this Ray cluster ('auto', 'ray://host:port'); "
+    "ray_address": "with --replicas: join this Ray cluster ('auto': the one running here, "
+                   "'host:port' of its head, 'ray://host:port'); "
                    "unset: start a local one",
 }
 

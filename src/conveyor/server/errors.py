@@ -143,6 +143,10 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(to_api_error(exc, request_id_of(request)))
 
 
+# The header that carries a request's id both ways (conveyor.server.app.RequestIds).
+REQUEST_ID_HEADER = b"x-request-id"
+
+
 def request_id_of(request: Request) -> str:
     """The id RequestIds gave this request (its X-Request-Id header)."""
     request_id: str = request.state.request_id

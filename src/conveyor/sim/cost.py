@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from conveyor.config import ModelConfig
+from conveyor.config import ModelConfig, check_tensor_parallel
 from conveyor.core.outputs import SchedulerOutput
-from conveyor.planner.plan import DeviceSpec, allreduce_time, check_tensor_parallel
+from conveyor.planner.plan import DeviceSpec, allreduce_time
 
 # Host <-> device copies of swapped blocks (PCIe 4.0 x16, one direction, achieved).
 HOST_LINK_BYTES_PER_S = 25e9
