@@ -20,7 +20,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.config import CacheConfig, ModelConfig
 from conveyor.model.llama import build_model
-from conveyor.ops import reference
+from conveyor.ops import ReferenceBackend, reference
 from conveyor.runner.cuda_graphs import (
     SCRATCH_BLOCKS,
     CudaGraphRunner,
@@ -63,7 +63,7 @@ def _setup(kv_cache_dtype: str, max_num_seqs: int = 8, device: str = "cpu",
     """A random-weight model (the torch reference ops, as on CUDA), its cache (with the
     scratch block) holding random K/V in every slot, and a graph runner over it."""
     model = build_model(SHAPE, dtype, torch.device(device), None, seed=3)
-    model.use_ops(reference)
+    model.use_backend(ReferenceBackend())
     cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=256 << 10,
                         kv_cache_dtype=kv_cache_dtype)
     layout = KVCacheLayout.from_budget(SHAPE, cache, dtype)
@@ -187,13 +187,13 @@ def test_engine_with_graph_runner_generates_as_eager(tiny_llama_dir: Any, kv_fre
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=1 << 20,
               max_model_len=128, max_num_seqs=8, enable_prefix_caching=False)
     engine = llm.engine
-    engine.runner.use_ops(reference)  # the ops CUDA runs
+    engine.runner.use_backend(ReferenceBackend())  # the ops CUDA runs
     vocab = engine.model_config.vocab_size
     eager = _generate(llm, vocab)
     spec = CudaGraphSpec(graph_batch_sizes(8), -(-128 // engine.kv_layout.block_size))
     runner = ModelRunner(engine.runner.model, engine.kv_layout, engine.device, 0,
                          engine.grammars, cuda_graphs=spec)
-    runner.use_ops(reference)
+    runner.use_backend(ReferenceBackend())
     assert runner.graphs is not None
     assert runner.kv_caches.shape[2] == engine.kv_layout.num_blocks + SCRATCH_BLOCKS
     engine.runner = runner

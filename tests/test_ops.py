@@ -21,7 +21,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.fixture(scope="module")
 def kernels():
     assert ops.load_cpu_kernels(), "the C++ kernels must build on this machine (g++ and ninja)"
-    assert ops.for_device(torch.device("cpu")) is torch.ops.conveyor
+    assert isinstance(ops.select_backend(torch.device("cpu"), torch.float32),
+                      ops.CpuKernelBackend)
     return torch.ops.conveyor
 
 
@@ -162,11 +163,13 @@ def test_kernels_can_be_switched_off(monkeypatch) -> None:
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
     ops.load_cpu_kernels.cache_clear()
     try:
-        assert ops.for_device(torch.device("cpu")) is reference
+        assert isinstance(ops.select_backend(torch.device("cpu"), torch.float32),
+                          ops.ReferenceBackend)
     finally:
         monkeypatch.delenv("CONVEYOR_KERNELS")
         ops.load_cpu_kernels.cache_clear()
-    assert ops.for_device(torch.device("cpu")) is torch.ops.conveyor
+    assert isinstance(ops.select_backend(torch.device("cpu"), torch.float32),
+                      ops.CpuKernelBackend)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,9 +186,10 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
 @pytest.mark.parametrize("arch_overrides,kv_dtype", [({}, "auto"), ({"attention_bias": True}, "auto"),
                                                     ({}, "int8")])
 def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype) -> None:
-    """ops.decode_layers runs every layer of a decode-only batch in one C++ call: it must give
-    bit-identical hidden states and KV writes to the layer-by-layer Python forward (in the
-    engine's default dtype on this CPU: bf16 where it has bf16 matrix units, else float32)."""
+    """ops.decode_layers (model/cpu_decode.py) runs every layer of a decode-only batch in one
+    C++ call: it must give bit-identical hidden states and KV writes to the layer-by-layer
+    Python forward (in the engine's default dtype on this CPU: bf16 where it has bf16 matrix
+    units, else float32)."""
     from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
     from conveyor.config import ModelConfig
     from conveyor.model.device import resolve_dtype
@@ -214,14 +218,10 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
         slots = tables[torch.arange(2), pos // block_size] * block_size + pos % block_size
         meta = AttentionMetadata(slots, 2, tables, pos + 1, [])
         ids = torch.tensor([5, 17])
-        assert model._decode_weights is not None
+        assert model._fused_decode is not None  # model.step takes it for this batch
         fused_kv = kv.clone()
-        fused = model(ids, pos, fused_kv, meta)
-        weights, model._decode_weights = model._decode_weights, None  # the Python path
-        try:
-            python = model(ids, pos, kv, meta)
-        finally:
-            model._decode_weights = weights
+        fused = model.step(ids, pos, fused_kv, meta)
+        python = model(ids, pos, kv, meta)  # forward: the Python loop
     assert torch.equal(fused, python)
     assert torch.equal(fused_kv, kv)
 

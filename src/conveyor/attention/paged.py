@@ -11,22 +11,21 @@ chunk's generated tokens recomputed after a preemption attend as decodes, and in
 with the C++ kernels every row of a chunk does (a query's result then never depends on its
 chunk). A
 decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
-attention, fused for an int8 cache). ``ops`` is the namespace ``conveyor.ops.for_device`` chose.
+attention, fused for an int8 cache). ``ops`` is the model's ``OpsBackend``; its flags choose
+the paths (``prefill_attention_kernel``, ``prefill_rows_as_decodes``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
-from conveyor.ops import prefill_attention_available, reference
+from conveyor.ops import OpsBackend
 from conveyor.ops.reference import INT8_SCALE_BYTES, gather_kv
 
 
-def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def paged_attention(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D] -> [T, H, D]."""
@@ -43,39 +42,34 @@ def paged_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
     kernel = _kernel_prefill(ops, q)
-    rows_as_decodes = _rows_as_decodes(ops, q)
+    rows_as_decodes = ops.prefill_rows_as_decodes
     for chunk in meta.prefills:
         prompt = 0 if rows_as_decodes else chunk.query_len - chunk.generated_rows
         rows = slice(chunk.query_start, chunk.query_start + prompt)
         if prompt:
-            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale, kernel)
+            out[rows] = _prefill(ops, q[rows], k[rows], v[rows], kv_cache, chunk, scale,
+                                 kernel)
         if prompt < chunk.query_len:
             gen = slice(rows.stop, chunk.query_start + chunk.query_len)
             out[gen] = _as_decodes(ops, q[gen], kv_cache, meta, chunk, prompt, scale)
     return out
 
 
-def _kernel_prefill(ops: Any, q: torch.Tensor) -> bool:
-    """Whether prefill chunks take ``ops.prefill_attention`` (C++: bf16 with AMX tiles or
-    AVX512-BF16, head_dim a multiple of 32) rather than SDPA."""
-    return (ops is not reference and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
-            and q.shape[-1] <= 256 and prefill_attention_available())
+def _kernel_prefill(ops: OpsBackend, q: torch.Tensor) -> bool:
+    """Whether prefill chunks take ``ops.prefill_attention`` (the backend has the kernel in
+    this dtype: C++ in bf16 with AMX tiles or AVX512-BF16, head_dim a multiple of 32 up to
+    256) rather than SDPA."""
+    return ops.prefill_attention_kernel and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
 
 
-def _rows_as_decodes(ops: Any, q: torch.Tensor) -> bool:
-    """Whether every row of a prefill chunk attends as a decode would (the decode kernel over
-    its context in the cache): float32 with the C++ kernels, where no prefill attention
-    kernel exists and SDPA's blocking makes a query's result depend on its chunk. A row's
-    attention is then that of its decode, whatever the chunking (its cost against SDPA: see
-    docs/benchmarks.md)."""
-    return ops is not reference and q.dtype == torch.float32 and q.device.type == "cpu"
-
-
-def _as_decodes(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                chunk: PrefillChunk, first: int, scale: float) -> torch.Tensor:
+def _as_decodes(ops: OpsBackend, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, chunk: PrefillChunk, first: int, scale: float
+                ) -> torch.Tensor:
     """A prefill chunk's rows from ``first`` (generated tokens recomputed after a preemption,
-    or every row where ``_rows_as_decodes``), each attending as a decode: the decode kernel
-    over its context in the cache."""
+    or every row where the backend's ``prefill_rows_as_decodes``: float32 with the C++
+    kernels, where no prefill attention kernel exists and SDPA's blocking makes a query's
+    result depend on its chunk; its cost against SDPA: see docs/benchmarks.md), each
+    attending as a decode: the decode kernel over its context in the cache."""
     n = q.shape[0]
     tables = _block_table(chunk, meta, kv_cache, q.shape[-1]).unsqueeze(0).expand(n, -1)
     tables = tables.contiguous()
@@ -96,21 +90,22 @@ def _block_table(chunk: PrefillChunk, meta: AttentionMetadata, kv_cache: torch.T
     return first // block_size
 
 
-def _decode(ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+def _decode(ops: OpsBackend, q: torch.Tensor, kv_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     return ops.decode_attention(q, kv_cache, meta.decode_block_tables,
                                 meta.decode_context_lens, scale)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             chunk: PrefillChunk, scale: float, kernel: bool) -> torch.Tensor:
+def _prefill(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float, kernel: bool
+             ) -> torch.Tensor:
     if kernel:
         if chunk.block_table is not None:  # the prefix's K/V (and the chunk's) from the cache
             kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)
             keys = chunk.num_computed_tokens + q.shape[0]
             k, v = kh[0, :, :keys].transpose(0, 1), vh[0, :, :keys].transpose(0, 1)
-        return torch.ops.conveyor.prefill_attention(q, k, v, k.shape[0] - q.shape[0], scale)
+        return ops.prefill_attention(q, k, v, k.shape[0] - q.shape[0], scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     if chunk.block_table is None:  # no prefix: attend to the fresh K/V
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

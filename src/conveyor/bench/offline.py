@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from conveyor.engine.llm import LLM
-from conveyor.ops import reference as ops_reference
+from conveyor.ops import ReferenceBackend
 from conveyor.sampling_params import SamplingParams
 
 # Token ids for synthetic prompts are drawn above the special tokens of common vocabularies.
@@ -254,7 +254,7 @@ def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1,
     result = run_workload(llm, workload)
     reference = None
     if reference_llm is not None:
-        reference_llm.engine.runner.use_ops(ops_reference)
+        reference_llm.engine.runner.use_backend(ReferenceBackend())
         if warmup:
             warm_up_on(reference_llm, workload)
         reference = asdict(run_workload(reference_llm, workload))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.ops import dot_kernels_available, f32_kernels_available, reference
+from conveyor.ops import cpu_kernels, reference
 
 # The dot kernels' block matmul against the bf16 weight's, relative to its largest output: they
 # differ by the weights' rounding to bf16 (~0.4 % each); a wrong layout differs by ~100 %.
@@ -46,7 +46,7 @@ class PackedLinear(nn.Module):
             bias = None if bias is None else torch.cat([bias, bias.new_zeros(self.padding)])
         # Either layout is opaque to torch (pair tiles, or mkldnn): a plain attribute, not a
         # parameter. C++ `linear` picks the kernel by it.
-        self.packed = (torch.ops.conveyor.pack_dot_weight(weight) if self.dot
+        self.packed = (cpu_kernels.pack_dot_weight(weight) if self.dot
                        else torch.ops.mkldnn._reorder_linear_weight(weight, 1))
         self.bias = bias
         self.blocks: torch.Tensor | None = None  # ops.pack_block_weights or pack_dot_blocks
@@ -57,13 +57,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None or self.dot:  # C++ picks the kernel and the weight's form
-            return self._cut(torch.ops.conveyor.linear(x, self.packed, self.blocks, self.bias))
+            return self._cut(cpu_kernels.linear(x, self.packed, self.blocks, self.bias))
         return self.dense(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul on the bf16 (or float) weight, whatever the batch size."""
         if self.dot:
-            return self._cut(torch.ops.conveyor.dot_linear(x, self.packed, self.bias))
+            return self._cut(cpu_kernels.dot_linear(x, self.packed, self.bias))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _cut(self, y: torch.Tensor) -> torch.Tensor:
@@ -85,22 +85,23 @@ class PackedLinear(nn.Module):
         - Dot kernels (bf16 or float32): every batch, on the exact GGUF weights, so the results
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
         """
-        ops: Any = torch.ops.conveyor
         gen = torch.Generator().manual_seed(0)
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
         if self.dot:
-            blocks = ops.pack_dot_blocks(raw, qtype, self.dtype)
+            blocks = cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype)
             for rows in (1, 5):  # both of the kernel's paths (up to 3 tokens, and more)
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-                got, want = ops.dot_linear(x, blocks, self.bias).float(), self.dense(x).float()
+                got = cpu_kernels.dot_linear(x, blocks, self.bias).float()
+                want = self.dense(x).float()
                 if not (got - want).abs().max() <= BLOCKS_TOLERANCE * want.abs().max():
                     return False
         else:
-            blocks = ops.pack_block_weights(raw, qtype)
-            for rows in sorted({1, 13, ops.quantized_linear_max_rows()}):
+            blocks = cpu_kernels.pack_block_weights(raw, qtype)
+            for rows in sorted({1, 13, cpu_kernels.quantized_linear_max_rows()}):
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-                if not torch.equal(ops.quantized_linear(x, blocks, self.bias), self.dense(x)):
+                got = cpu_kernels.quantized_linear(x, blocks, self.bias)
+                if not torch.equal(got, self.dense(x)):
                     return False
         self.blocks = blocks
         return True
@@ -120,9 +121,9 @@ def dot_matmuls(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.float32:
-        return f32_kernels_available()
+        return cpu_kernels.f32_kernels_available()
     return (weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
-            and dot_kernels_available())
+            and cpu_kernels.dot_kernels_available())
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:

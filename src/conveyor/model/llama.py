@@ -18,15 +18,10 @@ from torch import nn
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import EngineArgs, ModelConfig
+from conveyor.model.cpu_decode import CpuFusedDecode
 from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
 from conveyor.model.parallel import TensorParallel
-from conveyor.ops import (
-    amx_available,
-    dot_kernels_available,
-    f32_kernels_available,
-    for_device,
-    reference,
-)
+from conveyor.ops import OpsBackend, ReferenceBackend, select_backend
 
 if TYPE_CHECKING:
     from conveyor.model.loader import Checkpoint
@@ -118,14 +113,33 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Linear | PackedLinear | None = (
             None if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        self.ops: Any = reference
+        self.backend: OpsBackend = ReferenceBackend()
         self._refs: list[_LayerRefs] | None = None  # built on first forward
-        self._decode_weights: tuple[Any, ...] | None = None  # ops.decode_layers' weights
+        # The backend's fused decode loop for this model, where it has one and can run it
+        self._fused_decode: CpuFusedDecode | None = None
 
-    def use_ops(self, ops: Any) -> None:
-        """Run the hot path with these ops (see conveyor.ops.for_device)."""
-        self.ops = ops
-        self._refs = self._decode_weights = None
+    def use_backend(self, backend: OpsBackend) -> None:
+        """Run the hot path with these ops (``conveyor.ops.select_backend`` chose at load)."""
+        self.backend = backend
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """The matmuls or the backend changed: rebuild what holds references to them."""
+        self._refs = None
+        self._fused_decode = CpuFusedDecode.of(self)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+             meta: AttentionMetadata) -> torch.Tensor:
+        """One engine step's hidden states [T, hidden]: a decode-only batch through the
+        backend's fused decode loop where it runs this model (``model/cpu_decode.py``), any
+        other batch through ``forward``."""
+        if self._fused_decode is not None and not meta.prefills:
+            return self._fused_decode(input_ids, positions, kv_caches, meta)
+        return self(input_ids, positions, kv_caches, meta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,19 +149,11 @@ class CausalLM(nn.Module):
         stream before it; every residual add is fused with the norm that follows it.
         """
         if self._refs is None:
-            self._refs = [_LayerRefs.of(layer) for layer in self.layers]  # type: ignore[arg-type]
-            self._decode_weights = self._fused_decode_weights()
-        ops, eps = self.ops, self.config.rms_norm_eps
+            self._refs = [_LayerRefs.of(layer) for layer in self.decoder_layers]
+        ops, eps = self.backend, self.config.rms_norm_eps
         x, residual = self.tp.embed(self.embed_tokens, input_ids), None
         cos_sin = self.rotary.cos_sin
         assert isinstance(cos_sin, torch.Tensor)
-        if self._decode_weights is not None and not meta.prefills:
-            # Decodes only: every layer in one C++ call (the same ops, without Python between).
-            cfg = self.config
-            return ops.decode_layers(x, positions, cos_sin, kv_caches, meta.slot_mapping,
-                                     meta.decode_block_tables, meta.decode_context_lens,
-                                     *self._decode_weights, eps, cfg.num_attention_heads,
-                                     cfg.num_key_value_heads, cfg.head_dim)
         for layer, kv_cache in zip(self._refs, kv_caches, strict=True):
             if residual is None:
                 residual, x = x, ops.rms_norm(x, layer.input_norm, eps)
@@ -160,32 +166,6 @@ class CausalLM(nn.Module):
             return ops.rms_norm(x, self.norm.weight, eps)
         ops.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
-
-    def _fused_decode_weights(self) -> tuple[Any, ...] | None:
-        """The weight lists of ``ops.decode_layers`` when it can run this model: C++ kernels,
-        oneDNN-packed matmuls, no q/k norm, one rank (its loop has no all-reduce between
-        layers). None otherwise."""
-        if not hasattr(self.ops, "decode_layers") or self.config.qk_norm or self.tp.size > 1:
-            return None
-        # In the order of decode_layers' arguments.
-        packed: dict[str, list[Any]] = {
-            "input_norm": [], "post_norm": [], "qkv": [], "qkv_bias": [], "o": [],
-            "gate_up": [], "down": [], "qkv_blocks": [], "o_blocks": [], "gate_up_blocks": [],
-            "down_blocks": []}
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            packed["input_norm"].append(layer.input_layernorm.weight)
-            packed["post_norm"].append(layer.post_attention_layernorm.weight)
-            linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
-                       "down": mlp.down_proj}
-            if not all(isinstance(m, PackedLinear) and not m.padding for m in linears.values()):
-                return None  # the fused loop takes each weight's packed rows as they are
-            for name, m in linears.items():
-                packed[name].append(m.packed)
-                packed[f"{name}_blocks"].append(m.blocks)
-            packed["qkv_bias"].append(attn.qkv_proj.bias)
-        return (*packed.values(), self.norm.weight)
 
     def _attention(self, layer: _LayerRefs, x: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -201,10 +181,10 @@ class CausalLM(nn.Module):
                             layer.k_norm(k.view(t, kvh, d)).view(t, -1)], -1)
         else:
             qk = qkv  # q and k are adjacent in the fused output: rotated in place, in one op
-        self.ops.rotary_(qk, positions, cos_sin, h + kvh, d)
+        self.backend.rotary_(qk, positions, cos_sin, h + kvh, d)
         q = qk[:, :q_size].view(t, h, d)
         k = qk[:, q_size:q_size + kv_size].view(t, kvh, d)
-        out = paged_attention(self.ops, q, k, v, kv_cache, meta, d ** -0.5)
+        out = paged_attention(self.backend, q, k, v, kv_cache, meta, d ** -0.5)
         return self.tp.all_reduce(layer.o_proj(out.reshape(t, q_size)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,23 +229,21 @@ class CausalLM(nn.Module):
             for owner, name, _ in LAYER_MATMULS:
                 module = getattr(layer, owner)
                 setattr(module, name, PackedLinear.from_linear(getattr(module, name)))
-        self._refs = self._decode_weights = None  # rebuilt with the packed matmuls
         head = self.lm_head
         assert not isinstance(head, PackedLinear), "already packed"
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,
                                     None)
+        self._weights_changed()
 
     def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
         """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
         which the kernels then read in place (``PackedLinear.use_blocks``: small batches with
         AMX, every batch with the dot kernels). Needs bf16 weights and the C++ kernels with
-        AMX or AVX512-BF16, or float32 weights and AVX2; a matmul whose parts are not all
+        AMX or AVX512-BF16, or float32 weights and AVX2 (the backend's
+        ``quantized_matmuls``); a matmul whose parts are not all
         blocks of one supported type keeps its dense weight. Returns how many matmuls took
         their blocks."""
-        dtype = self.embed_tokens.weight.dtype
-        kernels = (f32_kernels_available() if dtype == torch.float32
-                   else dtype == torch.bfloat16 and (amx_available() or dot_kernels_available()))
-        if self.ops is reference or not kernels:
+        if not self.backend.quantized_matmuls:
             return 0
         parts: list[tuple[Any, list[str]]] = [
             (getattr(getattr(layer, owner), ours),
@@ -284,7 +262,7 @@ class CausalLM(nn.Module):
                     or raw.shape[0] % 16):
                 continue
             used += linear.use_blocks(raw, types.pop())
-        self._refs = self._decode_weights = None  # rebuilt with the blocks
+        self._weights_changed()
         return used
 
     # ------------------------------------------------------------------ weights
@@ -368,7 +346,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
-    model.use_ops(for_device(device))
+    backend = select_backend(device, dtype)
+    logger.info("ops backend: %s (%s on %s)", backend.name, dtype, device)
+    model.use_backend(backend)
     if can_pack_linears(device, dtype):
         model.pack_linears()
         if block_weights is not None:

@@ -111,7 +111,7 @@ class DraftModelProposer:
                          num_spec_tokens=0) for s in verifies]
         plain += [s for s in batch if not s.num_spec_tokens]
         input_ids, positions, meta = prepare(plain)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         if not verifies:
             return batch
         drafts = {s.request_id: [t] for s, t in zip(verifies, self._greedy(hidden[:len(verifies)]),
@@ -156,4 +156,4 @@ class DraftModelProposer:
         meta = AttentionMetadata(torch.from_numpy(slots).to(self.device), len(rows),
                                  torch.from_numpy(tables).to(self.device), pos_t + 1, [])
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(input_ids, pos_t, self.kv_caches, meta)
+        return self.model.step(input_ids, pos_t, self.kv_caches, meta)

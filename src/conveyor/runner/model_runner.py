@@ -23,7 +23,7 @@ from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
-from conveyor.ops import for_device
+from conveyor.ops import OpsBackend
 from conveyor.ops.reference import kv_cache_shape
 from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
@@ -138,7 +138,7 @@ class ModelRunner:
             self.graphs.capture()
         # Speculative decoding with a draft model: its own K/V under the same block tables
         self.drafter = drafter
-        self.sampler = Sampler(device, seed, for_device(device))
+        self.sampler = Sampler(device, seed, model.backend)
         self.states: dict[str, SamplingState] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + outputs as the model has seen them
         self.prompt_lens: dict[str, int] = {}
@@ -148,14 +148,14 @@ class ModelRunner:
         self.matchers: dict[str, LLMatcher] = {}
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
 
-    def use_ops(self, ops: Any) -> None:
-        """Run the model and the sampler with these ops (``conveyor.ops.for_device`` chose at
-        start; ``conveyor.ops.reference`` for a comparison)."""
-        self.model.use_ops(ops)
-        self.sampler.ops = ops
+    def use_backend(self, backend: OpsBackend) -> None:
+        """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
+        chose at load; ``ReferenceBackend()`` for a comparison)."""
+        self.model.use_backend(backend)
+        self.sampler.backend = backend
         if self.drafter is not None:
-            self.drafter.model.use_ops(ops)
-        if self.graphs is not None:  # the graphs launch the old ops' kernels
+            self.drafter.model.use_backend(backend)
+        if self.graphs is not None:  # the graphs launch the old backend's kernels
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -179,7 +179,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.eligible(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         if not samplers:
             return ModelRunnerOutput({})
         # A sampling request's rows: its last token's, after its drafts' (a verify).

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from conveyor.core.outputs import Logprob
-from conveyor.ops import reference
+from conveyor.ops import OpsBackend, ReferenceBackend
 from conveyor.sampling_params import SamplingParams
 
 
@@ -64,10 +63,12 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, ops: Any = reference) -> None:
+    def __init__(self, device: torch.device, seed: int = 0,
+                 backend: OpsBackend | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.ops = ops  # conveyor.ops.for_device(device): its argmax reads bf16 logits
+        # The model's ops (greedy rows take its argmax, which reads bf16 logits)
+        self.backend: OpsBackend = ReferenceBackend() if backend is None else backend
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]
                  ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
@@ -75,7 +76,7 @@ class Sampler:
         None each)."""
         if all(_plain_greedy(s) for s in states):
             # The argmax of the logits as computed: a float32 copy would not change it.
-            return self.ops.argmax(logits).tolist(), [None] * len(states)
+            return self.backend.argmax(logits).tolist(), [None] * len(states)
         logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):

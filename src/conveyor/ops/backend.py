@@ -1,0 +1,181 @@
+"""The ops backend: one typed interface (``OpsBackend``) to the hot path's ops and what the
+device can do, three implementations, chosen in one place (``select_backend``).
+
+- ``ReferenceBackend``: the torch ops of ``reference.py``, on any device; the oracle the
+  kernels are tested against, and what runs where no kernel is built.
+- ``CpuKernelBackend``: the C++ kernels (``cpu_kernels``), with the fused decode loop,
+  matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them.
+- ``CudaBackend``: the torch reference ops on CUDA tensors, SDPA over gathered blocks. Its
+  decode attention is the slot for a paged-attention kernel that reads blocks in place
+  (``attention/triton_paged.py``), which then sets ``paged_attention_in_place``.
+
+Callers read the capability flags; they never test which backend they hold.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.ops import cpu_kernels, reference
+
+
+class OpsBackend(Protocol):
+    """The ops the model, paged attention and the sampler call (signatures and in-place
+    behaviour as in ``reference.py``), and the device's capabilities."""
+
+    @property
+    def name(self) -> str:
+        """"reference", "cpu" or "cuda" (logs, benchmarks)."""
+
+    @property
+    def fused_decode(self) -> bool:
+        """A decode-only step may run every decoder layer in one call
+        (``model/cpu_decode.py``, ``cpu_kernels.decode_layers``)."""
+
+    @property
+    def quantized_matmuls(self) -> bool:
+        """Matmuls may read a GGUF checkpoint's blocks in place (``PackedLinear.use_blocks``)
+        in the model's dtype."""
+
+    @property
+    def prefill_attention_kernel(self) -> bool:
+        """Prefill chunks attend through ``prefill_attention`` in the model's dtype (else
+        SDPA, the prefix gathered)."""
+
+    @property
+    def prefill_rows_as_decodes(self) -> bool:
+        """Every row of a prefill chunk attends as a decode (``decode_attention`` over its
+        context), so a row's result never depends on its chunk."""
+
+    @property
+    def paged_attention_in_place(self) -> bool:
+        """``decode_attention`` reads the KV blocks where they lie (False: gathers them)."""
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                      eps: float) -> None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                num_heads: int, head_dim: int) -> None: ...
+
+    def write_kv_(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None: ...
+
+    def read_kv_(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor: ...
+
+    def write_decode_attention_(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor, q: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor: ...
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                          scale: float) -> torch.Tensor: ...
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+def reference_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                                scale: float) -> torch.Tensor:
+    """q [L, H, D] at positions offset..offset+L-1; k, v [offset + L, KVH, D] -> [L, H, D]:
+    each query attends to the keys at positions up to its own (the contract of
+    ``cpu_kernels.prefill_attention``), through SDPA."""
+    q_pos = torch.arange(q.shape[0], device=q.device) + offset
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class ReferenceBackend:
+    """The torch reference ops, on any device: no fused loop, no kernels."""
+
+    name = "reference"
+    fused_decode = False
+    quantized_matmuls = False
+    prefill_attention_kernel = False
+    prefill_rows_as_decodes = False
+    paged_attention_in_place = False
+
+    rms_norm = staticmethod(reference.rms_norm)
+    add_rms_norm_ = staticmethod(reference.add_rms_norm_)
+    silu_mul = staticmethod(reference.silu_mul)
+    rotary_ = staticmethod(reference.rotary_)
+    write_kv_ = staticmethod(reference.write_kv_)
+    read_kv_ = staticmethod(reference.read_kv_)
+    decode_attention = staticmethod(reference.decode_attention)
+    write_decode_attention_ = staticmethod(reference.write_decode_attention_)
+    prefill_attention = staticmethod(reference_prefill_attention)
+    argmax = staticmethod(reference.argmax)
+
+
+class CudaBackend(ReferenceBackend):
+    """The CUDA path: the torch reference ops on CUDA tensors (SDPA over gathered blocks).
+
+    Slot for ``attention/triton_paged.py`` (a Triton / FlashInfer paged attention that reads
+    blocks in place): it replaces ``decode_attention`` and ``write_decode_attention_`` here
+    (and, for prefill chunks over a cached prefix, sets ``prefill_attention_kernel`` with its
+    ``prefill_attention``), and sets ``paged_attention_in_place``. CUDA graphs wrap the model
+    from the runner (``runner/cuda_graphs.py``), not through this interface.
+    """
+
+    name = "cuda"
+
+
+class CpuKernelBackend:
+    """The C++ kernels (built: ``cpu_kernels.load_cpu_kernels()``), for a model in ``dtype``."""
+
+    name = "cpu"
+    fused_decode = True
+    paged_attention_in_place = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype == torch.float32:
+            self.quantized_matmuls = cpu_kernels.f32_kernels_available()
+        else:
+            self.quantized_matmuls = dtype == torch.bfloat16 and (
+                cpu_kernels.amx_available() or cpu_kernels.dot_kernels_available())
+        self.prefill_attention_kernel = (dtype == torch.bfloat16
+                                         and cpu_kernels.prefill_attention_available())
+        # float32 has no prefill attention kernel, and SDPA's blocking makes a query's result
+        # depend on its chunk: every row attends as its decode would (docs/benchmarks.md).
+        self.prefill_rows_as_decodes = dtype == torch.float32
+
+    rms_norm = staticmethod(cpu_kernels.rms_norm)
+    add_rms_norm_ = staticmethod(cpu_kernels.add_rms_norm_)
+    silu_mul = staticmethod(cpu_kernels.silu_mul)
+    rotary_ = staticmethod(cpu_kernels.rotary_)
+    write_kv_ = staticmethod(cpu_kernels.write_kv_)
+    read_kv_ = staticmethod(cpu_kernels.read_kv_)
+    decode_attention = staticmethod(cpu_kernels.decode_attention)
+    write_decode_attention_ = staticmethod(cpu_kernels.write_decode_attention_)
+    prefill_attention = staticmethod(cpu_kernels.prefill_attention)
+    argmax = staticmethod(cpu_kernels.argmax)
+
+    # The fused decode loop (``fused_decode``): CPU only, so not part of ``OpsBackend``.
+    decode_layers = staticmethod(cpu_kernels.decode_layers)
+
+
+# mypy proves that each backend implements the protocol.
+BACKENDS: tuple[type[OpsBackend], ...] = (ReferenceBackend, CpuKernelBackend, CudaBackend)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> OpsBackend:
+    """The backend for a model in ``dtype`` on ``device``: the C++ kernels on CPU where they
+    build (and ``CONVEYOR_KERNELS`` is not 0), the CUDA backend on CUDA, else the reference."""
+    if device.type == "cpu" and cpu_kernels.load_cpu_kernels():
+        return CpuKernelBackend(dtype)
+    if device.type == "cuda":
+        return CudaBackend()
+    return ReferenceBackend()
