@@ -13,7 +13,7 @@ import torch
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.attention.paged import paged_attention
-from conveyor.ops import reference
+from conveyor.ops import ReferenceBackend
 
 # q, k, v, kv_cache, metadata, scale -> out
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
@@ -88,7 +88,7 @@ def check_against_reference(kernel: Kernel, step: Step, atol: float) -> None:
     (``paged_attention`` with the reference ops): the same K/V written to the same slots,
     each row attending to the keys its position sees."""
     ref_cache, cache = step.kv_cache.clone(), step.kv_cache.clone()
-    expected = paged_attention(reference, step.q, step.k, step.v, ref_cache, step.meta,
+    expected = paged_attention(ReferenceBackend(), step.q, step.k, step.v, ref_cache, step.meta,
                                step.scale)
     out = kernel(step.q, step.k, step.v, cache, step.meta, step.scale)
     assert out.shape == expected.shape and out.dtype == expected.dtype

@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from attention_cases import Seq, check_against_reference, make_step
+from conftest import TINY_KV_MEMORY
+from conveyor import LLM, SamplingParams
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
 from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
 from conveyor.attention.triton_paged import attend, interpreted, triton_paged_attention
+from conveyor.ops import OpsBackend, ReferenceBackend
 
 # Tolerances against the reference: float32 exact products; half types round P (and, in the
 # reference, SDPA's intermediate results) to 8 or 11 mantissa bits.
@@ -140,3 +143,41 @@ def test_backend_selector_without_cuda() -> None:
     assert cuda_paged_attention_backend(torch.float32, kv_cache_dtype="int8") == "torch"
     assert paged_attention_kernel("triton") is triton_paged_attention
     assert paged_attention_kernel("torch") is None
+
+
+class _TritonBackend(ReferenceBackend):
+    """The reference ops with the Triton kernel as the step's attention: CudaBackend's
+    wiring, on CPU tensors in the interpreter."""
+
+    name = "triton-interpreted"
+
+    def __init__(self) -> None:
+        self.step_attention = triton_paged_attention
+        self.paged_attention_in_place = True
+
+
+def test_an_engine_whose_backend_has_the_kernel_generates_as_the_reference(
+        tiny_llama_dir, kv_free) -> None:
+    """attention/paged.py hands the whole step to a backend's ``step_attention`` (CUDA's
+    FlashInfer or Triton kernel): the same greedy tokens and logprobs as the reference ops,
+    through chunked prefills, a prefix-cache hit and batched decodes."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+              max_model_len=256, max_num_batched_tokens=24, enable_prefix_caching=True)
+    shared = list(range(40, 60))
+    prompts = [shared + list(range(100, 117)), shared + list(range(200, 205)),
+               list(range(300, 331))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(backend: OpsBackend) -> list[tuple[list[int], list[float]]]:
+        llm.engine.runner.use_backend(backend)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        kv_free(llm)
+        return [(list(o.outputs[0].token_ids),
+                 [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    reference_out = run(ReferenceBackend())
+    triton_out = run(_TritonBackend())  # its prompts' full blocks are cached: chunks on a prefix
+    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
+        assert ids == ref_ids
+        assert lp == pytest.approx(ref_lp, abs=1e-4)

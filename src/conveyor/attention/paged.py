@@ -12,7 +12,8 @@ with the C++ kernels every row of a chunk does (a query's result then never depe
 chunk). A
 decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the model's ``OpsBackend``; its flags choose
-the paths (``prefill_attention_kernel``, ``prefill_rows_as_decodes``).
+the paths (``prefill_attention_kernel``, ``prefill_rows_as_decodes``), and a backend with a
+``step_attention`` kernel (CUDA) runs the whole step through it instead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def paged_attention(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.
                     kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D] -> [T, H, D]."""
+    if ops.step_attention is not None and kv_cache.dtype != torch.int8:
+        # one kernel for the whole step (CUDA: FlashInfer or Triton); the int8 cache's
+        # layout is the CPU kernel's, which only the ops below read
+        return ops.step_attention(q, k, v, kv_cache, meta, scale)
     nd = meta.num_decodes
     if not meta.prefills:  # decodes only: the K/V write and the attention in one op
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None

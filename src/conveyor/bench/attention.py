@@ -22,7 +22,7 @@ import torch
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.attention.paged import paged_attention
-from conveyor.ops import reference
+from conveyor.ops import ReferenceBackend
 
 TIMED_CALLS = 20
 
@@ -40,7 +40,7 @@ class AttentionTiming:
 
 def _kernel(name: str) -> Callable[..., torch.Tensor]:
     if name == "torch":
-        return lambda *a: paged_attention(reference, *a)
+        return lambda *a: paged_attention(ReferenceBackend(), *a)
     if name == "triton":
         from conveyor.attention.triton_paged import triton_paged_attention
         return triton_paged_attention

@@ -14,12 +14,15 @@ Callers read the capability flags; they never test which backend they hold.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.ops import cpu_kernels, reference
+
+if TYPE_CHECKING:
+    from conveyor.attention.cuda_backend import PagedAttentionFn
 
 
 class OpsBackend(Protocol):
@@ -53,6 +56,13 @@ class OpsBackend(Protocol):
     @property
     def paged_attention_in_place(self) -> bool:
         """``decode_attention`` reads the KV blocks where they lie (False: gathers them)."""
+
+    @property
+    def step_attention(self) -> PagedAttentionFn | None:
+        """A kernel that runs a whole step's paged attention (the K/V writes, decodes and
+        prefill chunks, reading the blocks in place) in place of ``attention/paged.py``'s
+        composition of the ops below: on CUDA, FlashInfer or the Triton kernel; None: the
+        ops compose it."""
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -107,6 +117,7 @@ class ReferenceBackend:
     prefill_attention_kernel = False
     prefill_rows_as_decodes = False
     paged_attention_in_place = False
+    step_attention: PagedAttentionFn | None = None
 
     rms_norm = staticmethod(reference.rms_norm)
     add_rms_norm_ = staticmethod(reference.add_rms_norm_)
@@ -121,16 +132,23 @@ class ReferenceBackend:
 
 
 class CudaBackend(ReferenceBackend):
-    """The CUDA path: the torch reference ops on CUDA tensors (SDPA over gathered blocks).
-
-    Slot for ``attention/triton_paged.py`` (a Triton / FlashInfer paged attention that reads
-    blocks in place): it replaces ``decode_attention`` and ``write_decode_attention_`` here
-    (and, for prefill chunks over a cached prefix, sets ``prefill_attention_kernel`` with its
-    ``prefill_attention``), and sets ``paged_attention_in_place``. CUDA graphs wrap the model
-    from the runner (``runner/cuda_graphs.py``), not through this interface.
-    """
+    """The CUDA path: the torch reference ops on CUDA tensors, and for attention the kernel
+    ``attention/cuda_backend.py`` picks for the model's dtype and this GPU (FlashInfer, else
+    the Triton kernel: ``step_attention``, blocks read in place); where neither runs, SDPA
+    over gathered blocks. CUDA graphs wrap the model from the runner
+    (``runner/cuda_graphs.py``), not through this interface."""
 
     name = "cuda"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        from conveyor.attention.cuda_backend import (
+            cuda_paged_attention_backend,
+            paged_attention_kernel,
+        )
+
+        self.attention = cuda_paged_attention_backend(dtype)
+        self.step_attention = paged_attention_kernel(self.attention)
+        self.paged_attention_in_place = self.step_attention is not None
 
 
 class CpuKernelBackend:
@@ -139,6 +157,7 @@ class CpuKernelBackend:
     name = "cpu"
     fused_decode = True
     paged_attention_in_place = True
+    step_attention: PagedAttentionFn | None = None  # the ops below compose it
 
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype == torch.float32:
@@ -177,5 +196,5 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> OpsBackend:
     if device.type == "cpu" and cpu_kernels.load_cpu_kernels():
         return CpuKernelBackend(dtype)
     if device.type == "cuda":
-        return CudaBackend()
+        return CudaBackend(dtype)
     return ReferenceBackend()

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Issue 16 validation on the default model: real bench serve vs simulate, same dataset, 3 rates x 2 max_num_seqs.
+set -u
+OUT=/work/simval3; mkdir -p $OUT
+W0="--dataset random --input-len 128 --output-len 64 --range-ratio 0.5 --num-prompts 48"
+PORT=18700
+for MNS in 16 64; do
+  conveyor serve --port $PORT --max-num-seqs $MNS > $OUT/serve_$MNS.log 2>&1 &
+  SPID=$!
+  for i in $(seq 1 180); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
+  S=3; for R in 0.5 1; do S=$((S+1)); W="$W0 --seed $S"
+    conveyor bench serve --url http://127.0.0.1:$PORT $W --request-rate $R --ignore-eos --json --no-progress > $OUT/real_${MNS}_${R}.json 2>$OUT/real_${MNS}_${R}.err
+    conveyor simulate --cost-model measured --profile /work/smollm2.json $W --request-rate $R --ignore-eos --max-num-seqs $MNS --json > $OUT/sim_${MNS}_${R}.json 2>$OUT/sim_${MNS}_${R}.err
+    echo "$(date +%T) done mns=$MNS R=$R"
+  done
+  kill $SPID; wait $SPID 2>/dev/null
+done
+python - <<'PY'
+import json
+keys=["output_throughput","median_ttft_ms","median_tpot_ms","p99_ttft_ms","p99_tpot_ms"]
+print("| max_num_seqs | rate | " + " | ".join(f"{k} sim / real (ratio)" for k in keys)+" |")
+for mns in (16,64):
+    for r in ("0.5","1"):
+        try:
+            s=json.load(open(f"/work/simval3/sim_{mns}_{r}.json")); m=json.load(open(f"/work/simval3/real_{mns}_{r}.json"))
+        except Exception as e:
+            print(mns,r,"ERR",e); continue
+        cells=[f"{s[k]:.1f} / {m[k]:.1f} ({s[k]/m[k]:.2f})" for k in keys]
+        print(f"| {mns} | {r} | "+" | ".join(cells)+" |")
+PY
