@@ -29,15 +29,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 INJECTED = "injected step failure"
 
 
-def _failing_forward(llm: LLM, calls: set[int] | None) -> Callable[..., Any]:
-    """The model's forward, raising on the given call numbers (1-based; None: always)."""
-    forward = llm.engine.runner.model.forward
+def _failing_step(llm: LLM, calls: set[int] | None) -> Callable[..., Any]:
+    """The model's step (one call per engine step, whether it runs ``forward`` or the CPU
+    fused decode loop), raising on the given call numbers (1-based; None: always)."""
+    step = llm.engine.runner.model.step
     counter = itertools.count(1)
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if calls is None or next(counter) in calls:
             raise RuntimeError(INJECTED)
-        return forward(*args, **kwargs)
+        return step(*args, **kwargs)
 
     return failing
 
@@ -64,7 +65,7 @@ def test_failed_step_fails_only_its_requests(two_seq_llm, monkeypatch, kv_free, 
     errors_before = llm.stats().finished_by_reason["error"]
     model = llm.engine.runner.model
     # Step 3: requests 0 and 1 are decoding (their KV half-written), 2 and 3 wait.
-    monkeypatch.setattr(model, "forward", _failing_forward(llm, {3}))
+    monkeypatch.setattr(model, "step", _failing_step(llm, {3}))
     with caplog.at_level("ERROR", logger="conveyor.engine.llm_engine"):
         outputs = llm.generate(PROMPTS, GREEDY)
     reasons = [o.outputs[0].finish_reason for o in outputs]
@@ -81,7 +82,7 @@ def test_failed_step_fails_only_its_requests(two_seq_llm, monkeypatch, kv_free, 
 
 def test_steps_failing_in_a_row_stop_the_engine(two_seq_llm, monkeypatch, kv_free):
     llm = two_seq_llm
-    monkeypatch.setattr(llm.engine.runner.model, "forward", _failing_forward(llm, None))
+    monkeypatch.setattr(llm.engine.runner.model, "step", _failing_step(llm, None))
     # Each failed step ends two requests: more than enough requests to fail that often.
     with pytest.raises(RuntimeError, match="cannot continue") as info:
         llm.generate(_prompts(2 * MAX_CONSECUTIVE_STEP_FAILURES + 2), GREEDY)
