@@ -36,8 +36,10 @@ def test_select_backend_by_device_and_dtype() -> None:
     assert isinstance(other, ops.ReferenceBackend) and other.name == "reference"
     for backend in (cuda, other):
         assert not (backend.fused_decode or backend.quantized_matmuls
-                    or backend.prefill_attention_kernel or backend.prefill_rows_as_decodes
-                    or backend.paged_attention_in_place)
+                    or backend.prefill_attention_kernel or backend.prefill_rows_as_decodes)
+        # in place exactly where a kernel runs the step (CUDA with FlashInfer or Triton)
+        assert backend.paged_attention_in_place == (backend.step_attention is not None)
+    assert other.step_attention is None
 
 
 def test_reference_prefill_attention_is_causal_over_the_prefix_with_gqa() -> None:

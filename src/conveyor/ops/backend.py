@@ -5,9 +5,10 @@ device can do, three implementations, chosen in one place (``select_backend``).
   kernels are tested against, and what runs where no kernel is built.
 - ``CpuKernelBackend``: the C++ kernels (``cpu_kernels``), with the fused decode loop,
   matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them.
-- ``CudaBackend``: the torch reference ops on CUDA tensors, SDPA over gathered blocks. Its
-  decode attention is the slot for a paged-attention kernel that reads blocks in place
-  (``attention/triton_paged.py``), which then sets ``paged_attention_in_place``.
+- ``CudaBackend``: the torch reference ops on CUDA tensors, and as ``step_attention`` the
+  paged-attention kernel ``attention/cuda_backend.py`` picks (FlashInfer, else Triton),
+  which reads the blocks in place (``paged_attention_in_place``); without either, SDPA over
+  gathered blocks.
 
 Callers read the capability flags; they never test which backend they hold.
 """
@@ -55,7 +56,8 @@ class OpsBackend(Protocol):
 
     @property
     def paged_attention_in_place(self) -> bool:
-        """``decode_attention`` reads the KV blocks where they lie (False: gathers them)."""
+        """Attention reads the KV blocks where they lie (``decode_attention``, or the
+        ``step_attention`` kernel where there is one); False: it gathers them."""
 
     @property
     def step_attention(self) -> PagedAttentionFn | None:
