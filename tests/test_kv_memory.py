@@ -21,7 +21,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 before = rss()
-llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_memory="128MiB", max_model_len=1024,
+llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
           preemption="swap", swap_space=0.0625)
 started = rss()
 layout = llm.engine.kv_layout
@@ -44,7 +44,7 @@ def test_kv_cache_is_resident_from_the_start(tiny_llama_dir: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     m = json.loads(done.stdout.strip().splitlines()[-1])
-    assert m["kv"] >= 120 << 20 and m["swap"] >= 60 << 20, m
+    assert m["kv"] >= 60 << 20 and m["swap"] >= 60 << 20, m
     assert m["started"] - m["before"] >= m["kv"] + m["swap"], m
     # Cycling through every block adds far less than the cache (were its pages untouched
     # at start, the workload would add all of them); what it adds are activations.

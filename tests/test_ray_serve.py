@@ -34,7 +34,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfo
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 SYSTEM_A = "You are a sea captain who answers about the sea and the sky in short haiku. " * 4
 SYSTEM_B = "You are a quick brown fox that jumps over the lazy dog and counts one two. " * 4
-RESTART_TIMEOUT_S = 90.0
+RESTART_TIMEOUT_S = 180.0
 LONG = 800  # tokens: requests still running when the replica is killed (prompt + LONG < 1024)
 
 
@@ -97,6 +97,13 @@ def _live_replicas(text: str) -> dict[str, int]:
                                                              line.index("}")].split(","))
             live[labels["replica"].strip('"')] = int(labels["pid"].strip('"'))
     return live
+
+
+def _requests_per_replica(text: str) -> dict[str, float]:
+    """replica name -> requests running or waiting in its engine."""
+    return {replica: metric_value(text, "conveyor:num_requests_running", replica=replica)
+            + metric_value(text, "conveyor:num_requests_waiting", replica=replica)
+            for replica in _live_replicas(text)}
 
 
 def _wait_for(server: ServerProcess, ready: Any, timeout_s: float = 30.0) -> str:
@@ -255,13 +262,20 @@ def test_killing_a_replica_mid_run_leaves_the_endpoint_serving(
             time.sleep(0.02)
     while not all(len(r.get("events", ())) > 2 for r in results) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert [r["status"] for r in results] == [200] * len(results), results
+    streams_on = {r: sum(result["replica"] == r for result in results) for r in live}
     whole: dict[str, Any] = {}
     plain = threading.Thread(target=lambda: whole.update(response=httpx.post(
         base + "/v1/chat/completions", json=_chat(SYSTEM_A, "long 0", LONG), timeout=120)))
     plain.start()
-    time.sleep(0.3)  # routed (alone), and far from its last token
-    assert [r["status"] for r in results] == [200] * len(results), results
-    victim = results[0]["replica"]
+    # The victim is the replica whose engine holds the non-streaming request (one request more
+    # than its streams): killed then, far from that request's last token. (Killed before
+    # the replica took it, Ray Serve would retry it on the other one.)
+    def landed(text: str) -> list[str]:
+        return [r for r, n in _requests_per_replica(text).items() if n > streams_on[r]]
+
+    victim = next(iter(landed(_wait_for(replicas, landed))), None)
+    assert victim is not None, (streams_on, _requests_per_replica(_metrics(replicas)))
     os.kill(live[victim], signal.SIGKILL)
     for thread in [*threads, plain]:
         thread.join(120)

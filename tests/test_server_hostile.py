@@ -171,8 +171,15 @@ def test_a_clients_request_id_is_echoed_and_names_the_request(server: ServerProc
     assert _error(failed, 500)["message"] == "internal error (request id gateway-7f3a)"
     assert "internal error (request id gateway-7f3a)" in _wait_for_log(server, SECRET,
                                                                       before + 1)
-    # A second request with the id of one still in flight is NOT refused today (it got a 200
-    # in CI and here, 2026-12-01): open bug, see the session note; no assertion claims it.
+    # In flight (it cannot end early: no EOS, a long budget), its id is taken. The line
+    # iterator is held: dropped, it would close the connection and so abort the request.
+    body = {"prompt": "Hi", "max_tokens": MAX_MODEL_LEN // 2, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body, headers=given) as running:
+        lines = running.iter_lines()
+        first = next(lines)
+        assert running.status_code == 200 and first.startswith("data: {"), first
+        twin = http.post("/v1/completions", json={"prompt": "Hi"}, headers=given)
+        assert "already in use" in _error(twin)["message"]
     for bad in ("has space", "x" * 129, "caf\u00e9"):
         refused = http.get("/health", headers={"X-Request-Id": bad.encode("utf-8")})
         assert _error(refused, 400)["param"] == "x-request-id"

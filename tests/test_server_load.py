@@ -159,7 +159,11 @@ def test_soak_with_aborted_streams(server: ServerProcess):
 
     async def soak() -> list[tuple[int, list[str]]]:
         gate = asyncio.Semaphore(60)  # below max_num_seqs: nothing should queue or get 429
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+        # A new connection per request: a kept-alive one the server closes (idle past its
+        # keep-alive timeout on a loaded machine) just as a request goes out is a ReadError
+        # that says nothing about the server.
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
             async def one(max_tokens: int, abort_after: int | None) -> tuple[int, list[str]]:
                 body = {"model": server.model, "prompt": "Tell me a story.", "stream": True,
                         "max_tokens": max_tokens if abort_after is None else 32,

@@ -44,8 +44,25 @@ _SKIPPED = ("rope_freqs.weight",)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+class _PlainViewReader(GGUFReader):
+    """gguf's reader over a plain ndarray view of its memmap (the same mapped pages).
+
+    The reader slices its data once per metadata item (a 49k-token vocabulary: ~250k
+    slices); a memmap's slice costs a Python-level ``__array_finalize__``, a plain view's
+    does not: SmolLM2's header parses in ~1.5 s instead of ~4 s.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
 def open_gguf(path: str) -> GGUFReader:
-    return GGUFReader(path, "r")
+    return _PlainViewReader(path, "r")
 
 
 def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:

@@ -171,7 +171,10 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
         # float32 throughout, as the reference implementation computes it (greedy parity).
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        # On the host even inside a meta-device context (CausalLM built on meta): cos/sin on
+        # meta tensors import torch._dynamo (~3 s at every start).
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                device="cpu").float() / head_dim)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
@@ -180,7 +183,8 @@ class RotaryEmbedding(nn.Module):
         elif rope_type not in (None, "default"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported "
                              "(supported: default, linear, llama3)")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
+                            inv_freq)
         # cos_sin: [max_positions, head_dim] = cos | sin halves
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)

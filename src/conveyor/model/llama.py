@@ -105,7 +105,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp if tp is not None else TensorParallel(None)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (uninitialised) weight, the embedding skips the random init, whose
+        # normal_ on the meta device imports torch._dynamo (~3 s at every start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,

@@ -10,7 +10,6 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
@@ -33,6 +32,9 @@ class BitmaskFiller:
         return self._thread.submit(self.fill, matchers)
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        # Imported on first use: llguidance.torch imports torch._dynamo (~4 s at every start).
+        import llguidance.torch as llg_torch
+
         bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
         llg_torch.fill_next_token_bitmask_par(
             self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
