@@ -14,10 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+# Two test workers (xdist) and their servers share CI's two cores: OpenMP threads that spin
+# at every barrier (libgomp's default) take the core another process needs; sleeping ones
+# halved a decode on a loaded machine here. Set before torch loads the OpenMP runtime;
+# server subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from conftest_models import default_gguf
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from conftest_models import default_gguf  # noqa: E402
 
 # Without CUDA (CI) Triton kernels run in Triton's interpreter (tests/test_triton_attention.py).
 # Triton reads the variable when a kernel, or its own library (tl.sum, tl.max), is wrapped by

@@ -5,9 +5,8 @@ carries the web page's files too (`conveyor serve` serves them from the package)
 The wheel is built from this checkout and installed into a fresh virtual environment (its
 dependencies seen through a path file to this interpreter's site-packages, whose own path
 files, such as an editable conveyor's, are not read from there). There the installed package
-names its kernel sources, and every file they include (recursively) is found beside them.
-The build itself is the one the rest of the suite runs (the same sources and flags); it is
-not repeated here (~2 minutes on 2 cores).
+names its kernel sources, every file they include (recursively) is found beside them, and
+the kernels build (into a folder of their own) and load.
 """
 
 from __future__ import annotations
@@ -36,12 +35,16 @@ while todo:
     for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
         if name not in seen:
             todo.append(path.parent / name)
-print("loaded from", conveyor.__file__)
 print("kernel files", *sorted(seen))
+import torch
+from conveyor import ops
+assert ops.load_cpu_kernels(), "the kernels did not build from the installed package"
+assert torch.ops.conveyor.rms_norm is not None
+print("loaded from", conveyor.__file__)
 """
 
 
-def test_a_wheel_install_carries_what_its_kernels_build_from(tmp_path) -> None:
+def test_a_wheel_install_builds_and_loads_the_kernels(tmp_path) -> None:
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
                     str(ROOT)], check=True, timeout=600)
@@ -58,6 +61,7 @@ def test_a_wheel_install_carries_what_its_kernels_build_from(tmp_path) -> None:
                     str(purelib), str(wheel)], check=True, timeout=300)
     installed = str(purelib / "conveyor")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CONVEYOR_KERNELS")}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "extensions")
     result = subprocess.run([python, "-c", CHECK % installed], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (``csrc/*.cpp``): their build, what this CPU runs, and every call
 into ``torch.ops.conveyor`` as a typed function (the one module that reaches that namespace).
 
-Built by ``torch.utils.cpp_extension`` on first use (~25 s with g++ and ninja; cached under
+Built by ``torch.utils.cpp_extension`` on first use (~40 s with g++ and ninja on 2 cores; cached under
 ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``), keyed by this CPU's features
 (``-march=native``). If the build fails (no C++ compiler) the engine logs why and runs the
 torch reference; ``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
@@ -24,9 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("cpu_ops.cpp", "quant_linear.cpp", "dot_linear.cpp", "dot_blocks.cpp",
-                         "f32_linear.cpp", "prefill_attention.cpp")]
+# Two translation units (kernels.cpp includes the matmul and attention files).
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "kernels.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen headers and runs serially without it.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A load that took longer than this built (or rebuilt) the kernels: say when they are ready.
@@ -56,7 +55,7 @@ def load_cpu_kernels() -> bool:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _build_lock(build_dir):
             if not any(build_dir.glob(f"{name}*.so")):
-                logger.info("building the C++ kernels for this CPU in %s (first start: ~25 s "
+                logger.info("building the C++ kernels for this CPU in %s (first start: ~40 s "
                             "on 2 cores, then cached)", build_dir)
             start = time.perf_counter()
             cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],

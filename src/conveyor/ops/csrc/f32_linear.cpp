@@ -40,8 +40,8 @@ namespace {
 
 constexpr int64_t kLanes = 8;      // output rows of a lane tile (and of a record)
 constexpr int64_t kGroups = 4;     // lane tiles per task: 32 outputs
-constexpr int kTokens = 3;         // 3 tokens x 4 tiles: 12 sums in registers
-constexpr int64_t kPass = 64;      // tokens per pass over a task's weights
+constexpr int kF32Tokens = 3;      // 3 tokens x 4 tiles: 12 sums in registers
+constexpr int64_t kF32Pass = 64;   // tokens per pass over a task's weights
 constexpr int64_t kInPlace = 3;    // up to this many tokens, records are converted in registers
 
 struct RecordFormat {
@@ -97,19 +97,19 @@ void dense_tokens(const float* x, int64_t k, const float* const g[kGroups], int6
 }
 
 // Calls f(tiles, first, here, m0, m1) for every task: token rows [m0, m1) (a pass of at most
-// kPass) against lane tiles [first, first + here) (at most kGroups, each `tile` elements from
+// kF32Pass) against lane tiles [first, first + here) (at most kGroups, each `tile` elements from
 // w; absent ones point at `zeros`). Tasks run pass-major, so a thread's run of tasks shares
 // x's rows.
 template <class T, class F>
 void for_each_task(const T* w, int64_t tile, int64_t groups, int64_t m, const T* zeros, F&& f) {
-  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kPass - 1) / kPass;
+  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kF32Pass - 1) / kF32Pass;
   at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
       const int64_t here = std::min(kGroups, groups - first);
       const T* g[kGroups];
       for (int64_t j = 0; j < kGroups; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
-      f(g, first, here, pass * kPass, std::min(m, (pass + 1) * kPass));
+      f(g, first, here, pass * kF32Pass, std::min(m, (pass + 1) * kF32Pass));
     }
   });
 }
@@ -119,8 +119,8 @@ void dense_linear(const float* x, const float* w, const float* bias, float* y, i
   const std::vector<float> zeros(static_cast<size_t>(k * kLanes), 0.f);
   for_each_task(w, k * kLanes, n / kLanes, m, zeros.data(),
                 [&](const float* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
-    for (; m0 < m1; m0 += kTokens) {
-      switch (std::min<int64_t>(kTokens, m1 - m0)) {
+    for (; m0 < m1; m0 += kF32Tokens) {
+      switch (std::min<int64_t>(kF32Tokens, m1 - m0)) {
         case 1: dense_tokens<1>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
         case 2: dense_tokens<2>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
         default: dense_tokens<3>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
@@ -258,9 +258,9 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
       w.scales[j] = r.scale(j, b);
       if constexpr (Type == kQ4_1) w.mins[j] = r.min(j, b);
     }
-    for (int64_t m = m0; m < m1; m += kTokens) {
+    for (int64_t m = m0; m < m1; m += kF32Tokens) {
       float* a = acc.data() + (m - m0) * kGroups * kLanes;
-      switch (std::min<int64_t>(kTokens, m1 - m)) {
+      switch (std::min<int64_t>(kF32Tokens, m1 - m)) {
         case 1: block_step<Type, 1>(p, w, b, m, a); break;
         case 2: block_step<Type, 2>(p, w, b, m, a); break;
         default: block_step<Type, 3>(p, w, b, m, a); break;
