@@ -10,6 +10,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
@@ -32,12 +33,11 @@ class BitmaskFiller:
         return self._thread.submit(self.fill, matchers)
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        # Imported on first use: llguidance.torch imports torch._dynamo (~4 s at every start).
-        import llguidance.torch as llg_torch
-
         bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
-        llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        # llguidance's numpy entry point writes into the tensor's memory (its torch module
+        # would import torch._dynamo, ~4 s, for a torch.compile this engine does not use).
+        llg_numpy.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
         for i, m in enumerate(matchers):
             if m.is_error():  # llguidance ran out of fuel or was fed a token it refused:
                 logger.warning("grammar matcher failed, ending its request: %s",
