@@ -1,10 +1,10 @@
 """The C++ CPU kernels (``csrc/*.cpp``): their build, what this CPU runs, and every call
 into ``torch.ops.conveyor`` as a typed function (the one module that reaches that namespace).
 
-Built by ``torch.utils.cpp_extension`` on first use (~40 s with g++ and ninja on 2 cores; cached under
-``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``), keyed by this CPU's features
-(``-march=native``). If the build fails (no C++ compiler) the engine logs why and runs the
-torch reference; ``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
+Built by ``torch.utils.cpp_extension`` on first use (~40 s with g++ and ninja on 2 cores;
+cached under ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``), keyed by this
+CPU's features (``-march=native``). If the build fails (no C++ compiler) the engine logs why
+and runs the torch reference; ``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
 """
 
 from __future__ import annotations
