@@ -71,8 +71,7 @@ def _read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
 
 
 def test_partial_body_gets_408(timeouts_server: ServerProcess):
-    server = timeouts_server
-    with _connect(server) as sock:
+    with _connect(timeouts_server) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": \"a\"")
         data, seconds = _read_until_closed(sock)
@@ -83,19 +82,17 @@ def test_partial_body_gets_408(timeouts_server: ServerProcess):
 
 
 def test_idle_connections_are_closed(timeouts_server: ServerProcess):
-    server = timeouts_server
-    with _connect(server) as sock:  # never sends a byte
+    with _connect(timeouts_server) as sock:  # never sends a byte
         assert _read_until_closed(sock)[0] == b""
-    with _connect(server) as sock:  # one request, then idle on a kept-alive connection
+    with _connect(timeouts_server) as sock:  # one request, then idle on a kept-alive connection
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         data, seconds = _read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 200") and seconds >= TIMEOUT_S * 0.9
 
 
 def test_slowloris_is_closed(timeouts_server: ServerProcess):
-    server = timeouts_server
     """Header lines trickled faster than any idle timeout, never ending: 408, then closed."""
-    with _connect(server) as sock:
+    with _connect(timeouts_server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         sock.settimeout(0.2)
         start, data, closed = time.monotonic(), b"", False
