@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, RequestOutputKind, SamplingParams
 from conveyor.outputs import RequestOutput
 
 MAX_TOKENS = 16
@@ -186,6 +186,55 @@ def test_text_equals_decode_of_token_ids_default(default_llm, kv_free) -> None:
         assert output.prompt == prompts[outputs.index(output)]
         assert output.prompt_token_ids == tokenizer.encode(output.prompt)
     kv_free(default_llm)
+
+
+# --- output kinds ---------------------------------------------------------------------------
+
+def _run_kind(llm: LLM, prompts: list[list[int]], params: SamplingParams
+              ) -> dict[str, list[RequestOutput]]:
+    """Every output the engine emits per request, staggered arrivals."""
+    engine, emitted = llm.engine, {}
+    for prompt in prompts:
+        emitted[engine.add_request({"prompt_token_ids": prompt}, params)] = []
+        for output in engine.step():
+            emitted[output.request_id].append(output)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            emitted[output.request_id].append(output)
+    return emitted
+
+
+def test_output_kinds_deltas_add_up_to_the_cumulative_output(tiny_llm, prompts,
+                                                             kv_free) -> None:
+    """DELTA outputs hold only what is new (text, ids, logprobs), and added up equal the
+    last CUMULATIVE output, with n=2 samples, logprobs and a stop string (whose held-back
+    text comes out later); FINAL_ONLY emits one output, the same. Seeded, so all kinds
+    sample the same tokens."""
+    base = SamplingParams(temperature=1.0, seed=3, max_tokens=20, n=2, logprobs=1,
+                          ignore_eos=True)
+    free = _run_kind(tiny_llm, prompts[:4], base)
+    # a stop string: two characters from the middle of a sample's text
+    text = next(iter(free.values()))[-1].outputs[0].text
+    params = base.replace(stop=(text[len(text) // 2:len(text) // 2 + 2],))
+    runs = {kind: list(_run_kind(tiny_llm, prompts[:4], params.replace(output_kind=kind))
+                       .values())
+            for kind in RequestOutputKind}
+    for cumulative, deltas, final in zip(*runs.values(), strict=True):
+        assert len(final) == 1 and final[0].finished
+        assert len(deltas) == len(cumulative) > 1
+        whole = deltas[0].copy()
+        for delta in deltas[1:]:
+            whole.add(delta)
+        assert sum(len(c.token_ids) for c in deltas[-1].outputs) < \
+            deltas[-1].metrics.num_generation_tokens
+        for got in (whole, final[0]):
+            assert got.outputs == cumulative[-1].outputs
+            assert got.metrics.num_generation_tokens == \
+                sum(len(c.token_ids) for c in got.outputs)
+    stopped = [c for outs in runs[RequestOutputKind.CUMULATIVE] for c in outs[-1].outputs
+               if c.stop_reason is not None]
+    assert stopped, "no sample hit the stop string"
+    kv_free(tiny_llm)
 
 
 # --- per-request metrics --------------------------------------------------------------------

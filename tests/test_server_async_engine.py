@@ -21,10 +21,11 @@ from conveyor.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
+    RequestStream,
 )
 from conveyor.engine.stats import FINISH_REASONS, EngineStats
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ScriptedEngine:
@@ -113,6 +114,33 @@ def test_generate_streams_and_only_the_loop_thread_touches_the_engine():
         with pytest.raises(ValueError, match="prompt must not be empty"):
             await engine.add_request([], SamplingParams(), "bad")
         await engine.shutdown()
+
+    _run(main())
+
+
+def test_a_lagging_stream_of_deltas_appends_them_and_keeps_the_engine_outputs_intact():
+    """Deltas put while the consumer is away come out as one output (their sum); a
+    cumulative stream keeps only the newest. The outputs handed in are not changed."""
+
+    def delta(tokens: list[int], finish: str | None = None) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=0.0, num_generation_tokens=tokens[-1] + 1)
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "ab" * len(tokens), tokens,
+                                                              finish)],
+                             finish is not None, metrics)
+
+    async def main() -> None:
+        puts = [delta([0]), delta([1, 2]), delta([3], "length")]
+        for kind, want in ((RequestOutputKind.DELTA, [0, 1, 2, 3]),
+                           (RequestOutputKind.CUMULATIVE, [3])):
+            stream = RequestStream("r", None, kind)  # type: ignore[arg-type]
+            for output in puts:
+                stream._put(output)
+            got = [o async for o in stream]
+            assert len(got) == 1 and got[0].finished
+            assert got[0].outputs[0].token_ids == want
+            assert got[0].outputs[0].text == "ab" * len(want)
+            assert got[0].metrics.num_generation_tokens == 4
+        assert [o.outputs[0].token_ids for o in puts] == [[0], [1, 2], [3]]
 
     _run(main())
 

@@ -8,6 +8,8 @@ a slot holding someone else's prefix (or a rejected draft's) from the cache.
 
 from __future__ import annotations
 
+import pytest
+
 from conveyor.config import SpeculativeConfig
 from conveyor.core.spec_decode import NgramProposer, SpecDecoder
 from core_helpers import assert_no_leak, make_harness, make_request
@@ -190,6 +192,25 @@ def test_cost_model_turns_speculation_off_when_steps_are_compute_bound() -> None
         fixed.record_step(tokens, 0.001 * tokens)
     fixed.begin_step(64, 64)
     assert fixed.num_to_draft(request, 8) == 4 and fixed.stats.num_steps_off == 0
+
+
+def test_draft_model_cost_is_charged_to_drafts() -> None:
+    """Memory-bound steps (drafts pay with n-gram), but a draft model whose proposal costs
+    as much per draft token as a whole step: drafting switches off, and the draft model's
+    seconds do not count in the step's fitted cost. A draft model ten times cheaper than
+    the step drafts fully."""
+    request = make_request("a", cycle_prompt(), 50)
+    costly, cheap = SpecDecoder(ADAPTIVE), SpecDecoder(ADAPTIVE)
+    for tokens in range(1, 65, 4):  # 20 ms of weight reads, 0.01 ms per token
+        step = 0.020 + 0.00001 * tokens
+        costly.record_step(tokens, step + 4 * step, num_drafts=4, draft_seconds=4 * step)
+        cheap.record_step(tokens, step + 0.4 * step, num_drafts=4, draft_seconds=0.4 * step)
+    a, b = costly.cost.fit()  # type: ignore[misc]
+    assert a == pytest.approx(0.020) and b == pytest.approx(0.00001)
+    costly.begin_step(4, 4)
+    assert costly.num_to_draft(request, 8) == 0 and costly.stats.num_steps_off == 1
+    cheap.begin_step(1, 1)
+    assert cheap.num_to_draft(request, 8) == 4
 
 
 # ---------------------------------------------------------------- draft model

@@ -1,10 +1,10 @@
 """conveyor: an LLM inference server with continuous batching over a paged KV cache."""
 
-from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:

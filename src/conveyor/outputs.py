@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from conveyor.core.outputs import Logprob
@@ -9,7 +10,8 @@ from conveyor.core.outputs import Logprob
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (one of ``n``); text and ids are cumulative."""
+    """One generated sequence (one of ``n``): its text, token ids and logprobs so far, or
+    with ``output_kind=DELTA`` those new since the request's previous output."""
 
     index: int
     text: str
@@ -26,6 +28,18 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, delta: CompletionOutput) -> None:
+        """Append the sequence's next delta (in place: call it on an output you own)."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = list(delta.logprobs)
+            else:
+                self.logprobs.extend(delta.logprobs)
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.error, self.cumulative_logprob = delta.error, delta.cumulative_logprob
+
 
 @dataclass
 class RequestMetrics:
@@ -37,6 +51,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Tokens generated so far by all the request's samples, whatever its output_kind
+    num_generation_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -69,3 +85,24 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: None = field(default=None, repr=False)
+
+    def add(self, delta: RequestOutput) -> None:
+        """Append a later output of the same request with ``output_kind=DELTA`` (in place:
+        call it on an output you own); its state (finished, metrics) replaces this one's."""
+        mine = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            if (c := mine.get(new.index)) is None:
+                self.outputs.append(copy_completion(new))
+            else:
+                c.add(new)
+        self.finished, self.metrics = delta.finished, delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+
+    def copy(self) -> RequestOutput:
+        """A copy whose outputs' lists are its own (to ``add`` deltas to)."""
+        return dataclasses.replace(self, outputs=[copy_completion(c) for c in self.outputs])
+
+
+def copy_completion(c: CompletionOutput) -> CompletionOutput:
+    return dataclasses.replace(c, token_ids=list(c.token_ids),
+                               logprobs=None if c.logprobs is None else list(c.logprobs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json as _json
 import math
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs holds (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # all the text, token ids and logprobs so far (the default)
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping parameters for one request.
@@ -96,6 +105,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON Schema, regex, choice or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # What the engine's outputs for this request hold: a stream of deltas costs each step
+    # only its new tokens; cumulative outputs copy everything generated so far, each step.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (frozen).
@@ -154,6 +166,8 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams, got "
                f"{type(self.structured_outputs).__name__}")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         # A grammar that has ended allows nothing but EOS, which min_tokens bans: refused.
         _check(self.structured_outputs is None or self.min_tokens == 0,
                "min_tokens must be 0 with structured_outputs (a response_format, tool_choice "

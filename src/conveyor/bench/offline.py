@@ -17,7 +17,7 @@ import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.ops import ReferenceBackend
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 # Token ids for synthetic prompts are drawn above the special tokens of common vocabularies.
 _FIRST_PLAIN_TOKEN = 1000
@@ -151,7 +151,8 @@ def decode_step_time(llm: LLM, batch: int, context_len: int = DECODE_CONTEXT_LEN
     max_tokens = engine.scheduler_config.max_model_len - context_len
     if max_tokens < steps + 2:
         raise ValueError(f"max_model_len must exceed context_len + {steps + 2}")
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # as the server
     ids = [engine.add_request({"prompt_token_ids": [rng.randrange(_FIRST_PLAIN_TOKEN, vocab)
                                                     for _ in range(context_len)]}, params)
            for _ in range(batch)]
@@ -227,7 +228,8 @@ def single_stream(llm: LLM, stream: SingleStream) -> dict[str, float]:
     rng = random.Random(2)
     prompt = [rng.randrange(_FIRST_PLAIN_TOKEN, engine.model_config.vocab_size)
               for _ in range(stream.prompt_len)]
-    params = SamplingParams(temperature=0, max_tokens=stream.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=stream.max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # as the server
     start = time.perf_counter()
     engine.add_request({"prompt_token_ids": prompt}, params)
     first = None

@@ -98,3 +98,6 @@ class ModelRunnerOutput:
     # the engine ends it with finish_reason "error" before taking this step's tokens, so
     # the token sampled for it (EOS, all its failed mask allowed) is dropped
     errors: dict[str, str] = field(default_factory=dict)
+    # Seconds the draft model spent proposing this step's drafts (method draft_model): the
+    # scheduler's cost model charges them to the drafts, not to the step's tokens
+    draft_seconds: float = 0.0

@@ -290,7 +290,9 @@ class Scheduler:
         """
         if self.spec is not None:
             self.spec.record_step(scheduler_output.total_num_scheduled_tokens,
-                                  time.perf_counter() - self._step_started)
+                                  time.perf_counter() - self._step_started,
+                                  sum(s.num_spec_tokens for s in scheduler_output.scheduled),
+                                  runner_output.draft_seconds)
         updated = []
         now = time.time()
         for item in scheduler_output.scheduled:

@@ -13,14 +13,19 @@ How many tokens to draft is decided per request and per step from two measuremen
 - the request's acceptance rate ``alpha`` (decayed counts of drafted vs accepted tokens): the
   i-th draft is accepted with probability about ``alpha ** i``;
 - the step's cost ``t(T) = a + b*T`` for ``T`` tokens, fitted by least squares over recent
-  steps (the scheduler times each step between ``schedule`` and ``update``). A draft token
-  costs ``b`` more seconds and yields its acceptance probability ``P`` more tokens; a step
-  producing ``G`` tokens in ``t`` seconds gains throughput only if ``P > G*b/t``.
+  steps (the scheduler times each step between ``schedule`` and ``update``, less the time
+  the runner reports its draft model took), and with a draft model the cost ``c`` of
+  proposing one draft token (the draft model's seconds over the draft tokens it proposed,
+  over recent drafting steps; 0 for n-gram drafts, whose lookup is not timed). A draft
+  token costs ``b + c`` more seconds and yields its acceptance probability ``P`` more
+  tokens; a step producing ``G`` tokens in ``t`` seconds gains throughput only if
+  ``P > G*(b + c)/t``.
 
 So a request drafts its i-th token only while ``alpha ** i`` clears that threshold. When the
 batch is large enough that the step is compute-bound (``b*T`` dominates ``a``) the threshold
 nears 1 and speculation turns itself off for the step; when the weights' read dominates
-(small batches) it is close to 0. A request whose drafts keep failing stops drafting, and
+(small batches) it is close to 0. A draft model as costly as the target (``c`` near
+``t``) keeps it above 1 at any batch size. A request whose drafts keep failing stops drafting, and
 retries one draft after a back-off that doubles (up to ``MAX_BACKOFF_STEPS``). With
 ``adaptive: false`` the step's cost is not consulted (the threshold stays 0): every request
 with a match drafts up to ``num_speculative_tokens``, back-off included.
@@ -128,15 +133,33 @@ class StepCostModel:
         b = max(b, 0.0)
         return max(mean_s - b * mean_t, 0.0), b
 
-    def draft_threshold(self, num_tokens: int, num_samples: int) -> float:
+    def draft_threshold(self, num_tokens: int, num_samples: int,
+                        draft_cost: float = 0.0) -> float:
         """The acceptance probability a draft token needs to pay for itself in a step of
-        ``num_tokens`` tokens where ``num_samples`` requests sample (0: no fit yet)."""
+        ``num_tokens`` tokens where ``num_samples`` requests sample, when proposing it costs
+        ``draft_cost`` seconds (0: no fit yet)."""
         fitted = self.fit()
         if fitted is None:
             return 0.0
         a, b = fitted
         step = a + b * num_tokens
-        return num_samples * b / step if step > 0 else 0.0
+        return num_samples * (b + draft_cost) / step if step > 0 else 0.0
+
+
+class DraftCost:
+    """Seconds per proposed draft token over the last COST_WINDOW drafting steps."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+
+    def record(self, num_drafts: int, seconds: float) -> None:
+        if num_drafts > 0:
+            self.samples.append((num_drafts, seconds))
+
+    @property
+    def per_token(self) -> float:
+        drafts = sum(n for n, _ in self.samples)
+        return sum(s for _, s in self.samples) / drafts if drafts else 0.0
 
 
 class SpecDecoder:
@@ -149,6 +172,7 @@ class SpecDecoder:
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)
         self.cost = StepCostModel()
+        self.draft_cost = DraftCost()  # stays empty for n-gram drafts
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._requests: dict[str, _RequestSpec] = {}
         self._threshold = 0.0
@@ -158,7 +182,8 @@ class SpecDecoder:
         before any draft); 0 when the config is not adaptive."""
         if not self.config.adaptive:
             return
-        self._threshold = self.cost.draft_threshold(num_tokens, num_samples)
+        self._threshold = self.cost.draft_threshold(num_tokens, num_samples,
+                                                    self.draft_cost.per_token)
         if self._threshold >= OFF_THRESHOLD:
             self.stats.num_steps_off += 1
 
@@ -200,8 +225,13 @@ class SpecDecoder:
         else:
             state.next_backoff = 1
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.record(num_tokens, seconds)
+    def record_step(self, num_tokens: int, seconds: float, num_drafts: int = 0,
+                    draft_seconds: float = 0.0) -> None:
+        """A step of ``num_tokens`` tokens (drafts included) took ``seconds``, of which the
+        draft model took ``draft_seconds`` to propose its ``num_drafts`` drafts."""
+        self.cost.record(num_tokens, seconds - draft_seconds)
+        if draft_seconds > 0:
+            self.draft_cost.record(num_drafts, draft_seconds)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -5,7 +5,8 @@ commands (add, abort) that the loop thread applies between steps, and the loop t
 each step's outputs back to the event loop in one ``call_soon_threadsafe``. A forward pass
 never blocks the event loop, and the loop thread sleeps on a condition when there is no work.
 
-A request's stream keeps only its newest output: outputs are cumulative, so a consumer that
+A request's stream holds one unread output: a newer cumulative output replaces it, a newer
+delta (``output_kind=DELTA``, what the server asks for) is appended to it, so a consumer that
 falls behind reads fewer, larger updates instead of a growing queue.
 """
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from conveyor.engine.llm_engine import LLMEngine, PromptType
@@ -82,11 +83,15 @@ class _Abort:
 
 
 class RequestStream:
-    """One request's cumulative outputs, read with ``async for``; ``close()`` aborts it."""
+    """One request's outputs (of its output_kind), read with ``async for``; ``close()``
+    aborts it."""
 
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine,
+                 kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.request_id = request_id
         self._engine = engine
+        self._deltas = kind == RequestOutputKind.DELTA
+        self._owned = False  # _latest is a copy of this stream's (deltas appended to it)
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -95,7 +100,12 @@ class RequestStream:
 
     # -- called on the event loop by the engine
     def _put(self, output: RequestOutput) -> None:
-        self._latest = output
+        if self._deltas and self._latest is not None:  # unread: append the new delta
+            if not self._owned:
+                self._latest, self._owned = self._latest.copy(), True
+            self._latest.add(output)
+        else:
+            self._latest, self._owned = output, False
         self.finished = self.finished or output.finished
         self._event.set()
 
@@ -250,7 +260,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         await self.compile_grammar(params)  # off the loop
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, params.output_kind)
         done: asyncio.Future[None] = loop.create_future()
         self._streams[request_id] = stream
         self._submit(_Add(prompt, params, request_id, priority, user, done))
@@ -268,7 +278,7 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, user: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; leaving the loop early aborts it."""
+        """The outputs of one request; leaving the loop early aborts it."""
         stream = await self.add_request(prompt, params, request_id, priority, user)
         try:
             async for output in stream:

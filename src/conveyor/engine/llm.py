@@ -9,7 +9,7 @@ from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -47,7 +47,9 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         prompts = prompt_list
-        params = _per_prompt(sampling_params, len(prompts))
+        # Only final outputs are returned: the engine need not build any before (as vLLM)
+        params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _per_prompt(sampling_params, len(prompts))]
         encoded = [self.engine.tokenize_prompt(p) for p in prompts]  # raises on bad input
         ids = []
         try:

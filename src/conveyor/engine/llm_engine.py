@@ -38,7 +38,7 @@ from conveyor.runner.cuda_graphs import CudaGraphSpec
 from conveyor.runner.draft import DraftModelProposer, load_draft_model
 from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.runner.tensor_parallel import TensorParallelError, TensorParallelExecutor
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.structured.compiler import GrammarCompiler, GrammarError, GrammarStats
 from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -383,7 +383,8 @@ class LLMEngine:
                 continue
             touched[group.request_id] = group
         return failed + [self._retire(g) if g.finished else g.output()
-                         for g in touched.values()]
+                         for g in touched.values()
+                         if g.finished or g.params.output_kind != RequestOutputKind.FINAL_ONLY]
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The forward pass raised: end the requests it ran with finish_reason "error" and

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from conveyor.core.outputs import Logprob
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
@@ -28,6 +28,9 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None  # why it ended with "error", when it failed alone
     num_tokens_seen: int = 0  # output tokens taken by add_token so far
+    # What earlier outputs held (output_kind=DELTA: the next one holds what follows)
+    num_chars_sent: int = 0
+    num_tokens_sent: int = 0
 
     def new_token_ids(self) -> list[int]:
         """Output tokens the scheduler appended since the last ``add_token`` (several when a
@@ -81,20 +84,28 @@ class Sequence:
         self.stop_reason = stop
         return stop
 
-    def visible_text(self) -> str:
-        """Text safe to stream: holds back a tail that could still become a stop string."""
+    def visible_end(self) -> int:
+        """How much of the text is safe to stream: a tail that could still become a stop
+        string is held back. It never shrinks (a stop string found later starts inside the
+        held-back tail, or after it)."""
         stops = self.request.sampling_params.stop
         if self.finish_reason is not None or not stops:
-            return self.text
-        hold = max(len(s) for s in stops) - 1
-        return self.text[:max(len(self.text) - hold, 0)]
+            return len(self.text)
+        return max(len(self.text) - max(len(s) for s in stops) + 1, 0)
 
-    def output(self) -> CompletionOutput:
-        return CompletionOutput(index=self.index, text=self.visible_text(),
-                                token_ids=list(self.request.output_token_ids),
+    def output(self, kind: RequestOutputKind) -> CompletionOutput:
+        """The sequence so far, or (DELTA) what is new since its previous output."""
+        end, tokens = self.visible_end(), self.request.output_token_ids
+        start_char, start_token = 0, 0
+        if kind == RequestOutputKind.DELTA:
+            start_char, start_token = self.num_chars_sent, self.num_tokens_sent
+            self.num_chars_sent, self.num_tokens_sent = max(end, start_char), len(tokens)
+        return CompletionOutput(index=self.index, text=self.text[start_char:end],
+                                token_ids=tokens[start_token:],
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason,
                                 error=self.error,
-                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                logprobs=None if self.logprobs is None
+                                else self.logprobs[start_token:],
                                 cumulative_logprob=(self.cumulative_logprob
                                                     if self.logprobs is not None else None))
 
@@ -124,9 +135,11 @@ class RequestGroup:
             finished_time=max((s.request.times.finished for s in self.sequences
                                if s.request.times.finished is not None), default=None)
             if self.finished else None,
-            num_preemptions=sum(s.request.num_preemptions for s in self.sequences))
+            num_preemptions=sum(s.request.num_preemptions for s in self.sequences),
+            num_generation_tokens=sum(s.request.num_output_tokens for s in self.sequences))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
-                             outputs=[s.output() for s in self.sequences],
+                             outputs=[s.output(self.params.output_kind)
+                                      for s in self.sequences],
                              finished=self.finished, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens)

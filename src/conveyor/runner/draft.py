@@ -4,22 +4,29 @@ A smaller model with the target's vocabulary proposes the tokens the target veri
 loaded as the target is (GGUF or HF folder, the engine's dtype and device) and keeps its own
 paged K/V, a second set of tensors shaped for its layers and heads, under the *same* block
 tables: a slot is the same ``block_id * block_size + offset`` in both caches, so the
-scheduler's allocation, prefix cache, trimming of rejected slots, preemption (recompute or
-swap) and frees serve both at once, and this proposer keeps no per-request state.
+scheduler's allocation, trimming of rejected slots, preemption (swap copies both caches) and
+frees serve both at once.
 
-Each step, before the target's forward pass:
+The draft model runs only for requests that draft this step, and catches up lazily: per
+request it remembers how many leading positions of its K/V are valid (``computed``), and
+before drafting it computes the positions from there to the request's last verified token as
+one chunk. A step where nobody drafts (the scheduler's cost model turned speculation off, or
+no request wants drafts) runs no draft pass at all, and a request that stops drafting costs
+nothing until it drafts again. Each drafting step, before the target's forward pass:
 
-1. the draft model computes the step's tokens as the target will (prefill chunks, decodes,
-   each verify's last token: the target's batch without its drafts), writing its K/V in the
-   same slots; at the verifies' rows it picks its first draft (greedy: argmax of its logits);
-2. it then decodes its own drafts one position at a time (one batched pass per position, for
-   the verifies that want that many), each pass writing the K/V of the draft it reads.
+1. one batched pass computes each verify's catch-up chunk (often one or two tokens: the
+   previous verify's last accepted draft and the token sampled after it; a whole prompt the
+   first time), writing its K/V; the chunk's last row gives the first draft (greedy: argmax
+   of the draft model's logits);
+2. one batched decode pass per further draft position (for the verifies that want that
+   many), each writing the K/V of the draft it reads.
 
-After the target's verify, a request whose drafts were *all* accepted has one verified token
-the draft model never read (its last draft); one more batched pass writes that token's K/V.
-So whenever the scheduler publishes a block to the prefix cache, the draft model's K/V of its
-tokens is there too. The rejected drafts' draft K/V lies in slots past the request's tokens,
-which the scheduler frees (or which the next step overwrites before anything reads them).
+After the target's verify, the positions up to the last *accepted* draft the draft model
+read stay valid; the rest (rejected drafts, and the token sampled after them) are computed by
+the next catch-up. A request the runner gets again in ``new_requests`` (new, or resumed after
+preemption) starts from nothing: its blocks may be new, or prefix-cache hits whose draft K/V
+no one computed. The draft K/V never affects outputs, only how many drafts are accepted:
+the target verifies every draft.
 
 Drafts are greedy and ignore the request's sampling parameters (penalties, temperature):
 they are deterministic proposals, which ``Sampler.verify`` accepts exactly as n-gram drafts
@@ -100,21 +107,31 @@ class DraftModelProposer:
         self.block_size = layout.block_size
         # [draft layers, 2, blocks, block_size, draft KVH, draft D], blocks as the target's
         self.kv_caches, self.swap_space = allocate_kv_caches(model, layout, device)
+        # request id -> leading positions whose draft K/V is valid
+        self.computed: dict[str, int] = {}
+
+    def forget(self, request_id: str) -> None:
+        """A request finished, or (re)joined: its draft K/V is to be computed anew."""
+        self.computed.pop(request_id, None)
 
     def propose(self, batch: list[ScheduledRequest], prepare: PrepareFn
                 ) -> list[ScheduledRequest]:
-        """Compute the step's tokens with the draft model and draft each verify's
-        ``num_spec_tokens`` tokens; ``batch`` (decodes first) with ``spec_token_ids`` set."""
+        """Draft each verify's ``num_spec_tokens`` tokens (catching the draft K/V up
+        first); ``batch`` with ``spec_token_ids`` set. No draft pass when nothing drafts."""
         verifies = [s for s in batch if s.num_spec_tokens]
-        # The target's batch without drafts: a verify is then a decode, first among them.
-        plain = [replace(s, num_new_tokens=s.num_new_tokens - s.num_spec_tokens,
-                         num_spec_tokens=0) for s in verifies]
-        plain += [s for s in batch if not s.num_spec_tokens]
-        input_ids, positions, meta = prepare(plain)
-        hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         if not verifies:
             return batch
-        drafts = {s.request_id: [t] for s, t in zip(verifies, self._greedy(hidden[:len(verifies)]),
+        # Each verify's catch-up chunk: its valid draft K/V up to its last verified token (a
+        # one-token chunk is a decode: those first, as the runner lays a batch out).
+        chunks = sorted((replace(s, num_computed_tokens=(start := min(
+            self.computed.get(s.request_id, 0), s.num_computed_tokens)),
+            num_new_tokens=s.num_computed_tokens + 1 - start, num_spec_tokens=0)
+            for s in verifies), key=lambda c: c.num_new_tokens > 1)
+        input_ids, positions, meta = prepare(chunks)
+        hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
+        last_rows = torch.tensor(np.cumsum([c.num_new_tokens for c in chunks]) - 1,
+                                 device=self.device)
+        drafts = {c.request_id: [t] for c, t in zip(chunks, self._greedy(hidden[last_rows]),
                                                     strict=True)}
         for offset in range(1, max(s.num_spec_tokens for s in verifies)):
             rows = [s for s in verifies if s.num_spec_tokens > offset]
@@ -125,14 +142,13 @@ class DraftModelProposer:
         return [replace(s, spec_token_ids=drafts[s.request_id]) if s.num_spec_tokens else s
                 for s in batch]
 
-    def complete(self, samplers: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        """Write the draft K/V of the last draft of each verify that kept all its drafts
-        (the draft model proposed that token but never read it)."""
-        rows = [s for s in samplers if s.num_spec_tokens
-                and len(output.sampled_token_ids[s.request_id]) == s.num_spec_tokens + 1]
-        if rows:
-            self._decode(rows, [s.spec_token_ids[-1] for s in rows],
-                         [s.num_computed_tokens + s.num_spec_tokens for s in rows])
+    def record(self, samplers: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """After the target's verify: each verify's draft K/V is valid through its last
+        verified token and the accepted drafts the draft model read (all but its last)."""
+        for s in samplers:
+            if s.num_spec_tokens and (tokens := output.sampled_token_ids.get(s.request_id)):
+                accepted = min(len(tokens) - 1, s.num_spec_tokens - 1)
+                self.computed[s.request_id] = s.num_computed_tokens + 1 + accepted
 
     def _greedy(self, hidden: torch.Tensor) -> list[int]:
         """hidden: [R, hidden] -> the draft model's top token of each row."""

@@ -11,6 +11,7 @@ the drafts; its rows are generated tokens, so they attend as decodes (the decode
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,14 +166,19 @@ class ModelRunner:
             self.tokens.pop(request_id, None)
             self.prompt_lens.pop(request_id, None)
             self.matchers.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         self._copy_blocks(out)
         self._add_requests(out)
         if out.is_empty:
             return ModelRunnerOutput({})
         # Decodes first: the attention backend batches them together.
         batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
-        if self.drafter is not None:  # it computes the step's tokens too, and the drafts
+        draft_seconds = 0.0
+        if self.drafter is not None:  # the draft model proposes the verifies' drafts
+            started = time.perf_counter()
             batch = self.drafter.propose(batch, self._prepare)
+            draft_seconds = time.perf_counter() - started
         input_ids, positions, meta = self._prepare(batch)
         samplers = [s for s in batch if s.samples]
         masks = self._start_bitmasks(samplers)  # filled while the forward pass runs
@@ -196,8 +202,9 @@ class ModelRunner:
             first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
             apply_token_bitmask(logits, bitmask.result(), [int(first[i]) for i in constrained])
         result = self._sampled(samplers, logits)
-        if self.drafter is not None:  # the draft KV of wholly accepted drafts' last token
-            self.drafter.complete(samplers, result)
+        result.draft_seconds = draft_seconds
+        if self.drafter is not None:  # how far each verify's draft K/V is now valid
+            self.drafter.record(samplers, result)
         return result
 
     def _sampled(self, samplers: list[ScheduledRequest], logits: torch.Tensor
@@ -230,6 +237,8 @@ class ModelRunner:
 
     def _add_requests(self, out: SchedulerOutput) -> None:
         for new in out.new_requests:
+            if self.drafter is not None:  # its blocks may be new: draft K/V from scratch
+                self.drafter.forget(new.request_id)
             self.tokens[new.request_id] = list(new.all_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
             if new.request_id in self.states:

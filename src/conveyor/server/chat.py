@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput
+from conveyor.outputs import CompletionOutput, copy_completion
 from conveyor.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from conveyor.server.common import (
     EngineStreamingResponse,
@@ -207,7 +207,7 @@ def _choice(c: CompletionOutput, num_top: int, parser: HermesToolParser | None) 
     message = AssistantMessage(content=content, tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
-    return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, 0, num_top),
+    return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, num_top),
                       finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                       stop_reason=c.stop_reason)
 
@@ -216,10 +216,10 @@ def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
     return "tool_calls" if made_calls and reason == "stop" else reason
 
 
-def _logprobs(c: CompletionOutput, first_token: int, num_top: int) -> ChatLogprobs | None:
+def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
     if c.logprobs is None:
         return None
-    return chat_logprobs(c.token_ids[first_token:], c.logprobs[first_token:], num_top)
+    return chat_logprobs(c.token_ids, c.logprobs, num_top)
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
@@ -254,33 +254,39 @@ class _ChoiceStream:
     """What one choice has streamed so far."""
 
     tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    text: str = ""  # the choice's text so far (the tool-call parser reads it whole)
+    held: CompletionOutput | None = None  # a delta not sent (no text yet): its logprobs wait
     made_calls: bool = False
     done: bool = False
 
     def next_chunk(self, c: CompletionOutput, num_top: int) -> ChatChunkChoice | None:
-        """The chunk for the choice's new output, or None when there is nothing to send."""
+        """The chunk for the choice's new output (a delta), or None when there is nothing
+        to send."""
         if self.done:
             return None
+        if self.tools is not None:
+            self.text += c.text
+        earlier, self.held = self.held, None
+        if earlier is not None:  # the delta held back last time, and this one
+            earlier.add(c)
+            c = earlier
         finished = c.finish_reason is not None
         calls: list[DeltaToolCall] = []
         if self.tools is None:
-            delta = c.text[self.sent_chars:]
-            self.sent_chars = len(c.text)
+            delta = c.text
         else:
-            delta, news = self.tools.update(c.text, finished)
+            delta, news = self.tools.update(self.text, finished)
             calls = [DeltaToolCall(index=n.index, id=n.id, type="function" if n.id else None,
                                    function=DeltaFunctionCall(name=n.name, arguments=n.arguments))
                      for n in news]
             self.made_calls = self.made_calls or bool(calls)
         if not delta and not calls and not finished:
+            self.held = copy_completion(c) if earlier is None else c
             return None
         choice = ChatChunkChoice(index=c.index,
                                  delta=DeltaMessage(content=delta or None,
                                                     tool_calls=calls or None),
-                                 logprobs=_logprobs(c, self.sent_tokens, num_top),
+                                 logprobs=_logprobs(c, num_top),
                                  finish_reason=_finish_reason(c.finish_reason, self.made_calls))
-        self.sent_tokens = len(c.token_ids)
         self.done = finished
         return choice

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from conveyor.server.config import ServerConfig
 from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
 from conveyor.server.metrics import ServerMetrics
@@ -74,7 +74,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           skip_special_tokens=req.skip_special_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          structured_outputs=structured_outputs)
+                          structured_outputs=structured_outputs,
+                          output_kind=RequestOutputKind.DELTA)
 
 
 def stream_usage(req: _SamplingFields) -> bool:
@@ -121,7 +122,7 @@ async def submit(state: ServerState, prompts: list[list[int]], params: SamplingP
 
 def usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(o.metrics.num_generation_tokens for o in outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
@@ -229,9 +230,13 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def collect(stream: RequestStream) -> RequestOutput:
+    """The request's whole output: its deltas appended."""
     final: RequestOutput | None = None
     async for output in stream:
-        final = output
+        if final is None:
+            final = output.copy()
+        else:
+            final.add(output)
     assert final is not None and final.finished
     return final
 

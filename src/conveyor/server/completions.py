@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.outputs import CompletionOutput, RequestOutput, copy_completion
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.common import (
     MAX_PROMPTS_PER_REQUEST,
@@ -120,12 +120,10 @@ async def create_completion(state: ServerState, req: CompletionRequest,
                               usage=usage(finals))
 
 
-def _choice(index: int, c: CompletionOutput, text: str, offset: int,
-            first_token: int = 0) -> CompletionChoice:
+def _choice(index: int, c: CompletionOutput, text: str, offset: int) -> CompletionChoice:
     logprobs = None
     if c.logprobs is not None:
-        logprobs = completion_logprobs(c.token_ids[first_token:], c.logprobs[first_token:],
-                                       offset)
+        logprobs = completion_logprobs(c.token_ids, c.logprobs, offset)
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
@@ -135,10 +133,9 @@ async def _stream(state: ServerState, prep: _Prepared,
     n = prep.params.n
     num_choices = len(streams) * n
     created = int(time.time())
-    sent_chars = [0] * num_choices  # text already streamed per choice
-    sent_tokens = [0] * num_choices  # tokens whose logprobs were streamed
     offsets = [len(prep.echo_texts[i // n]) for i in range(num_choices)]
     done = [False] * num_choices
+    held: dict[int, CompletionOutput] = {}  # deltas with no text yet (a stop string's prefix)
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choice: CompletionChoice) -> str:
@@ -153,16 +150,19 @@ async def _stream(state: ServerState, prep: _Prepared,
     async for i, output in merged(streams):
         if output.finished:
             finals[i] = output
-        for c in output.outputs:
+        for c in output.outputs:  # deltas: what is new since the last output
             index = i * n + c.index
-            delta = c.text[sent_chars[index]:]
-            if done[index] or (not delta and c.finish_reason is None):
-                continue  # nothing new to show (text held back, or already finished)
-            choice = _choice(index, c, delta, offsets[index], sent_tokens[index])
+            if done[index]:
+                continue
+            if (earlier := held.pop(index, None)) is not None:
+                earlier.add(c)
+                c = earlier
+            if not c.text and c.finish_reason is None:  # no text to show yet: its tokens'
+                held[index] = copy_completion(c) if earlier is None else c  # logprobs wait
+                continue
+            choice = _choice(index, c, c.text, offsets[index])
             if choice.logprobs is not None:
                 offsets[index] += sum(len(t) for t in choice.logprobs.tokens)
-            sent_chars[index] = len(c.text)
-            sent_tokens[index] = len(c.token_ids)
             done[index] = c.finish_reason is not None
             yield chunk(choice)
     if prep.include_usage:

@@ -194,7 +194,7 @@ class EngineEvents:
             if self._num_subscribers:
                 with self._lock:
                     self._ended.append(output.request_id)
-            m, n = output.metrics, sum(len(c.token_ids) for c in output.outputs)
+            m, n = output.metrics, output.metrics.num_generation_tokens
             tpot = None
             if n > 1 and m.first_token_time is not None and m.finished_time is not None:
                 tpot = (m.finished_time - m.first_token_time) / (n - 1)

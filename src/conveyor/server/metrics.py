@@ -141,7 +141,7 @@ class ServerMetrics:
 
     def _observe(self, output: RequestOutput, now: float) -> None:
         m, rid = self._model, output.request_id
-        num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        num_tokens = output.metrics.num_generation_tokens  # (outputs may be deltas)
         seen, last_time = self._progress.get(rid, (0, 0.0))
         if num_tokens > seen:
             if seen == 0:

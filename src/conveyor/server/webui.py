@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.bench.datasets import SkewedMix, sample_skewed_requests
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.server.events import EngineEvents
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class LoadBursts:
             self.engine.add_request(sample.prompt, SamplingParams(
                 temperature=0.0, max_tokens=min(sample.output_len,
                                                 req.max_tokens or sample.output_len),
-                ignore_eos=True), request_id)
+                ignore_eos=True, output_kind=RequestOutputKind.DELTA), request_id)
             for sample, request_id in zip(samples, ids, strict=True)), return_exceptions=True)
         accepted = []
         for request_id, result in zip(ids, results, strict=True):
