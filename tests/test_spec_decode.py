@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from conftest import TINY_KV_MEMORY
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.runner.sampler import Sampler, SamplingState
 
 # Not adaptive: which steps draft must not depend on how long steps took on a loaded machine.
@@ -160,6 +161,33 @@ def test_seeded_samples_equal_speculation_off(tiny_llama_dir, kv_free) -> None:
     assert [o.outputs[0].token_ids for o in on.generate(ids, params)] == expect
     assert [o.outputs[0].token_ids for o in on.generate(ids[::-1], params[::-1])] == expect[::-1]
     assert on.stats().spec_decode_num_accepted_tokens > 0
+    kv_free(on)
+
+
+def test_constrained_requests_verify_drafts_under_their_grammar(tiny_llama_dir,
+                                                                kv_free) -> None:
+    """Structured outputs with n-gram drafts: each draft row is masked by the grammar after
+    the drafts before it, so greedy and seeded-sampled texts equal speculation off, they
+    match their grammar, and drafts are accepted (repeating grammars: the n-gram proposer
+    finds the pattern)."""
+    kinds = [StructuredOutputsParams(grammar='root ::= "x" ("ab" | "cd"){10,20} "!"'),
+             StructuredOutputsParams(regex=r"(ab|cd|ef)( (ab|cd|ef)){30}")]
+    checks = [r"x((ab)|(cd)){10,20}!", r"(ab|cd|ef)( (ab|cd|ef)){30}"]
+    texts = ["one two three", "ab cd ab ef cd ab cd", "the cat sat on"]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=80, structured_outputs=k)
+              for i, (t, k) in enumerate((t, k) for t in (0, 0.8) for k in kinds
+                                         for _ in texts)]
+    prompt_list = [t * 2 for _ in range(2 * len(kinds)) for t in texts]
+    off, on = tiny(tiny_llama_dir, spec=False), tiny(tiny_llama_dir, spec=True)
+    expect = [o.outputs[0].text for o in off.generate(prompt_list, params)]
+    got = on.generate(prompt_list, params)
+    assert [o.outputs[0].text for o in got] == expect
+    for o, check in zip(got, [c for _ in range(2) for c in checks for _ in texts],
+                        strict=True):
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(check, o.outputs[0].text)
+    stats = on.stats()
+    assert stats.spec_decode_num_accepted_tokens > 50, stats
+    assert stats.spec_decode_acceptance_rate < 1  # some drafts were refused
     kv_free(on)
 
 

@@ -197,8 +197,8 @@ def test_cost_model_turns_speculation_off_when_steps_are_compute_bound() -> None
 def test_draft_model_cost_is_charged_to_drafts() -> None:
     """Memory-bound steps (drafts pay with n-gram), but a draft model whose proposal costs
     as much per draft token as a whole step: drafting switches off, and the draft model's
-    seconds do not count in the step's fitted cost. A draft model ten times cheaper than
-    the step drafts fully."""
+    seconds do not count in the step's fitted cost (priced from the 8th drafting step on).
+    A draft model ten times cheaper than the step drafts fully."""
     request = make_request("a", cycle_prompt(), 50)
     costly, cheap = SpecDecoder(ADAPTIVE), SpecDecoder(ADAPTIVE)
     for tokens in range(1, 65, 4):  # 20 ms of weight reads, 0.01 ms per token
@@ -209,6 +209,12 @@ def test_draft_model_cost_is_charged_to_drafts() -> None:
     assert a == pytest.approx(0.020) and b == pytest.approx(0.00001)
     costly.begin_step(4, 4)
     assert costly.num_to_draft(request, 8) == 0 and costly.stats.num_steps_off == 1
+    early = SpecDecoder(ADAPTIVE)  # the same costly drafts, 7 of them: not priced yet
+    for i, tokens in enumerate(range(1, 65, 4)):
+        step, drafts = 0.020 + 0.00001 * tokens, 4 if i < 7 else 0
+        early.record_step(tokens, step + drafts * step, drafts, drafts * step)
+    early.begin_step(4, 4)
+    assert early.num_to_draft(request, 8) == 4
     cheap.begin_step(1, 1)
     assert cheap.num_to_draft(request, 8) == 4
 

@@ -160,12 +160,9 @@ class Scheduler:
         """Give this step's decodes drafted tokens to verify, from the budget left. A draft
         never preempts anyone: without free blocks for it, the request decodes plainly."""
         assert self.spec is not None
-        # Constrained requests (structured outputs) decode plainly: their grammar's mask is
-        # computed for one position per step.
         decodes = [r for r in self.running if (item := step.scheduled.get(r.request_id))
                    and item.num_new_tokens == 1 and item.samples
-                   and r.num_computed_tokens >= r.num_prompt_tokens
-                   and r.sampling_params.structured_outputs is None]
+                   and r.num_computed_tokens >= r.num_prompt_tokens]
         scheduled = self.config.max_num_batched_tokens - step.budget
         self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
         for request in decodes:

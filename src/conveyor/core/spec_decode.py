@@ -16,7 +16,8 @@ How many tokens to draft is decided per request and per step from two measuremen
   steps (the scheduler times each step between ``schedule`` and ``update``, less the time
   the runner reports its draft model took), and with a draft model the cost ``c`` of
   proposing one draft token (the draft model's seconds over the draft tokens it proposed,
-  over recent drafting steps; 0 for n-gram drafts, whose lookup is not timed). A draft
+  over recent drafting steps, once there are 8; 0 for n-gram drafts, whose lookup is not
+  timed). A draft
   token costs ``b + c`` more seconds and yields its acceptance probability ``P`` more
   tokens; a step producing ``G`` tokens in ``t`` seconds gains throughput only if
   ``P > G*(b + c)/t``.
@@ -147,7 +148,9 @@ class StepCostModel:
 
 
 class DraftCost:
-    """Seconds per proposed draft token over the last COST_WINDOW drafting steps."""
+    """Seconds per proposed draft token over the last COST_WINDOW drafting steps; 0 until
+    COST_MIN_SAMPLES of them (a request's first draft pays for catching up its whole
+    prompt: one step alone would price every later draft at that)."""
 
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
@@ -158,8 +161,9 @@ class DraftCost:
 
     @property
     def per_token(self) -> float:
-        drafts = sum(n for n, _ in self.samples)
-        return sum(s for _, s in self.samples) / drafts if drafts else 0.0
+        if len(self.samples) < COST_MIN_SAMPLES:
+            return 0.0
+        return sum(s for _, s in self.samples) / sum(n for n, _ in self.samples)
 
 
 class SpecDecoder:

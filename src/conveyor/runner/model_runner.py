@@ -197,10 +197,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
             return ModelRunnerOutput({})
-        if masks is not None:  # constrained requests never draft: one row each
+        if masks is not None:  # every row of a constrained request (a verify: 1 + drafts)
             constrained, bitmask = masks
-            first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
-            apply_token_bitmask(logits, bitmask.result(), [int(first[i]) for i in constrained])
+            first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
+            apply_token_bitmask(logits, bitmask.result(),
+                                [r for i in constrained for r in range(first[i], first[i + 1])])
         result = self._sampled(samplers, logits)
         result.draft_seconds = draft_seconds
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
@@ -266,7 +267,7 @@ class ModelRunner:
             tok = self.grammars.tokenizer
             self._bitmasks = BitmaskFiller(tok.vocab_size, tuple(tok.eos_token_ids))
         matchers = [self.matchers[samplers[i].request_id] for i in rows]
-        return rows, self._bitmasks.start(matchers)
+        return rows, self._bitmasks.start(matchers, [samplers[i].spec_token_ids for i in rows])
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused.

@@ -1,7 +1,13 @@
-"""The token bitmask of a step's constrained rows: filled by llguidance's executor in one
-batched call (in a worker thread, while the forward pass runs), applied to the logits before
+"""The token bitmasks of a step's constrained rows: filled by llguidance's executor in batched
+calls (in a worker thread, while the forward pass runs), applied to the logits before
 sampling. Rows without a constraint are neither read nor written, so a batch that mixes
 constrained and free requests pays only for the constrained ones.
+
+A constrained request verifying drafts has one mask per row: row i is the mask after its
+first i drafts. llguidance computes them in one call (``..._with_draft_tokens``: mask, then
+consume the next draft, ..., rolled back at the end), stopping at a draft the grammar
+refuses: the rows after it keep "all allowed", and are never reached, as the refused draft
+cannot be sampled from its masked row, so the verify rejects it there.
 """
 
 from __future__ import annotations
@@ -28,25 +34,36 @@ class BitmaskFiller:
         self._executor = llguidance.LLExecutor()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
 
-    def start(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
-        """Begin filling [len(matchers), num_words] int32 masks; the result when needed."""
-        return self._thread.submit(self.fill, matchers)
+    def start(self, matchers: list[llguidance.LLMatcher], drafts: list[list[int]]
+              ) -> Future[torch.Tensor]:
+        """Begin filling the masks of each matcher's rows (1 + its drafts); the
+        [sum(rows), num_words] int32 result when needed."""
+        return self._thread.submit(self.fill, matchers, drafts)
 
-    def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
+    def fill(self, matchers: list[llguidance.LLMatcher], drafts: list[list[int]]
+             ) -> torch.Tensor:
+        offsets = np.cumsum([0] + [len(d) + 1 for d in drafts]).tolist()
+        bitmask = torch.full((offsets[-1], self.num_words), -1, dtype=torch.int32)
         # llguidance's numpy entry point writes into the tensor's memory (its torch module
         # would import torch._dynamo, ~4 s, for a torch.compile this engine does not use).
-        llg_numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+        firsts = list(zip(matchers, offsets, drafts, strict=False))  # (offsets: one more)
+        plain = [(m, first) for m, first, d in firsts if not d]
+        drafted = [(m, first, d) for m, first, d in firsts if d]
+        if plain:
+            llg_numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask.numpy())
+        if drafted:
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted,
+                                                                     bitmask.numpy())
         for i, m in enumerate(matchers):
             if m.is_error():  # llguidance ran out of fuel or was fed a token it refused:
                 logger.warning("grammar matcher failed, ending its request: %s",
                                m.get_error())
                 # EOS only, a placeholder: the runner reports the error and the engine ends
                 # the request with finish_reason "error", dropping the token
-                bitmask[i] = 0
+                rows = bitmask[offsets[i]:offsets[i + 1]]
+                rows.zero_()
                 for t in self.eos_token_ids:
-                    bitmask[i, t // BITS] |= 1 << (t % BITS)
+                    rows[:, t // BITS] |= 1 << (t % BITS)
         return bitmask
 
     def close(self) -> None:
