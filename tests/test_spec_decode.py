@@ -102,6 +102,33 @@ def test_greedy_outputs_equal_speculation_off_alone_and_batched(tiny_llama_dir, 
     kv_free(llm)
 
 
+def test_verify_rows_are_decode_rows_except_over_the_int8_cache(tiny_llama_dir,
+                                                                 kv_free) -> None:
+    """A step of decodes and verifies is decode-only (each verify row a decode row, so the
+    fused decode path runs it); over the int8 cache, whose CPU kernel writes each row's
+    K/V inside its own attention task, a verify stays a chunk. Greedy tokens equal
+    speculation off in both."""
+    params = SamplingParams(**COPYING)
+    for kv_dtype in ("auto", "int8"):
+        off = tiny(tiny_llama_dir, spec=False, kv_cache_dtype=kv_dtype)
+        on = tiny(tiny_llama_dir, spec=True, kv_cache_dtype=kv_dtype)
+        runner, metas = on.engine.runner, []
+        prepare = runner._prepare
+
+        def prepare_and_keep(batch: Any, prepare: Any = prepare) -> Any:
+            result = prepare(batch)
+            if any(s.num_spec_tokens for s in batch):
+                metas.append(result[2])
+            return result
+
+        runner._prepare = prepare_and_keep  # type: ignore[method-assign]
+        assert run(on, prompts(), params) == run(off, prompts(), params), kv_dtype
+        assert metas, "no verify ran"
+        as_decodes = [not m.prefills for m in metas]
+        assert all(as_decodes) if kv_dtype == "auto" else not any(as_decodes), kv_dtype
+        kv_free(on)
+
+
 def test_greedy_outputs_equal_when_chunked_preempted_or_prefix_cached(
         tiny_llama_dir, reference, kv_free) -> None:
     chunked = tiny(tiny_llama_dir, spec=True, max_num_batched_tokens=8,

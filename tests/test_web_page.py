@@ -1,7 +1,9 @@
-"""The web page at / in a real browser (headless chromium through Playwright) against a real
-`conveyor serve` with the default model: a streamed chat answer, the stop button aborting
-the request on the server, and the load button's burst seen batched in the live view.
-A failing test leaves a screenshot of the page in its tmp dir (the error says where).
+"""The web page at / in real browsers against a real `conveyor serve` with the default
+model. Headless chromium (through Playwright): a streamed chat answer, the stop button
+aborting the request on the server, the load button's burst seen batched in the live view,
+the API key asked once. Headless Firefox (through Marionette): the streamed answer and the
+burst. A failing chromium test leaves a screenshot of the page in its tmp dir (the error
+says where).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
-from web_fixtures import browser_page, screenshot_on_failure
+from web_fixtures import browser_page, firefox_session, screenshot_on_failure
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -153,3 +155,52 @@ def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,
         page.goto(server.base_url + "/")  # the module's page, back on its server
         assert keyed.stop() == 0, keyed.log_tail()
         keyed.remove_log()
+
+
+# ---------------------------------------------------------------- Firefox
+def firefox_wait(client: Any, script: str, timeout_s: float = 180) -> Any:
+    """Poll ``script`` (a JS function body returning a value) until it is truthy."""
+    from marionette_driver import Wait
+
+    return Wait(client, timeout=timeout_s, interval=0.05).until(
+        lambda c: c.execute_script(script), message=script)
+
+
+def test_firefox_streams_an_answer_and_shows_the_burst(server: ServerProcess) -> None:
+    from marionette_driver import By
+    from marionette_driver.keys import Keys
+
+    with firefox_session() as client:
+        client.navigate(server.base_url + "/")
+        firefox_wait(client, "return document.getElementById('model').textContent === "
+                             f"{server.model!r}")
+        client.find_element(By.CSS_SELECTOR, "#settings summary").click()
+        for field, value in (("#temperature", "0"), ("#max-tokens", "40")):
+            element = client.find_element(By.CSS_SELECTOR, field)
+            element.clear()
+            element.send_keys(value)
+        client.find_element(By.CSS_SELECTOR, "#settings summary").click()
+        # (in the page's own scope, not a sandbox: window.answerTexts persists)
+        client.execute_script(WATCH_ANSWER.replace("() => {", "(() => {", 1) + ")();",
+                              sandbox=None)
+        prompt = client.find_element(By.CSS_SELECTOR, "#prompt")
+        prompt.send_keys("What is the capital of France?")
+        prompt.send_keys(Keys.ENTER)
+        firefox_wait(client, f"return document.querySelector('{LAST_ANSWER} .stats')"
+                             "?.textContent.includes('tokens')")
+        answer = client.execute_script(
+            f"return document.querySelector('{LAST_ANSWER} .text').textContent")
+        assert "Paris" in answer
+        partial = {t for t in client.execute_script("return window.answerTexts", sandbox=None)
+                   if t and t != answer}
+        assert partial and all(answer.startswith(t) for t in partial), partial
+        wait_idle(server)
+        for field, value in (("#load-n", "6"), ("#load-max-tokens", "12")):
+            element = client.find_element(By.CSS_SELECTOR, field)
+            element.clear()
+            element.send_keys(value)
+        client.find_element(By.CSS_SELECTOR, "#load").click()
+        firefox_wait(client, "return Number(document.getElementById('peak-batch')"
+                             ".textContent) >= 2")
+        metrics = wait_idle(server, timeout_s=300)
+        assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0

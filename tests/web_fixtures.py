@@ -1,7 +1,9 @@
-"""A real browser for the web page's tests and its README screenshot: Playwright (PyPI)
+"""Real browsers for the web page's tests and its README screenshot: Playwright (PyPI)
 driving Debian's chromium (`apt-get install chromium`; `.ci/run` installs it), since
-Playwright's own browser builds cannot be downloaded here. `CONVEYOR_CHROMIUM` names
-another binary."""
+Playwright's own browser builds cannot be downloaded here; and Debian's Firefox
+(`apt-get install firefox-esr`) through its built-in Marionette protocol with Mozilla's
+`marionette_driver` (PyPI), since Playwright drives only its own patched Firefox builds.
+`CONVEYOR_CHROMIUM` and `CONVEYOR_FIREFOX` name other binaries."""
 
 from __future__ import annotations
 
@@ -53,3 +55,28 @@ def screenshot_on_failure(page: Any, folder: Path, name: str) -> Iterator[None]:
             page.screenshot(path=str(path), full_page=True)
             error.add_note(f"screenshot of the page: {path}")
         raise
+
+
+def firefox_path() -> str:
+    path = (os.environ.get("CONVEYOR_FIREFOX") or shutil.which("firefox-esr")
+            or shutil.which("firefox"))
+    if not path:
+        pytest.fail("the web page's Firefox test needs Debian's Firefox: apt-get install "
+                    "firefox-esr (or CONVEYOR_FIREFOX=/path/to/firefox)")
+    return path
+
+
+@contextlib.contextmanager
+def firefox_session() -> Iterator[Any]:
+    """Headless Firefox (a new profile) and a Marionette session on it."""
+    from marionette_driver.marionette import Marionette
+
+    client = Marionette(bin=firefox_path(), port=0, headless=True,
+                        startup_timeout=PAGE_TIMEOUT_MS // 1000)
+    try:
+        client.start_session()
+        client.timeout.script = PAGE_TIMEOUT_MS / 1000
+        client.set_window_rect(width=VIEWPORT["width"], height=VIEWPORT["height"])
+        yield client
+    finally:
+        client.cleanup()

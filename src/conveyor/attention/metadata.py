@@ -1,6 +1,6 @@
 """Per-step attention metadata, built once by the runner and passed to every layer.
 
-The batch is flattened and unpadded: decodes first (one query token each), then prefill
+The batch is flattened and unpadded: decode rows first (one query token each), then prefill
 chunks (many query tokens each). Layers never read global state: everything a layer needs to
 find a token's KV is here.
 """
@@ -31,7 +31,9 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot written by each token
-    num_decodes: int  # the first num_decodes tokens are decodes, one per request
+    # The first num_decodes tokens are decode rows: one per decoding request, 1 + its drafts
+    # per verifying one (consecutive positions; every K/V row is written before any is read)
+    num_decodes: int
     # [num_decodes, max_blocks] int64 block tables of the decodes (padding -> block 0)
     decode_block_tables: torch.Tensor | None
     # [num_decodes] int64: cached positions each decode attends to (its own token included)

@@ -3,9 +3,10 @@
 The runner never decides who runs. It keeps, per request, the tokens it feeds the model and
 the sampler's state; it lays out the step's tokens flat and unpadded (decodes first, then
 prefill chunks), computes positions and KV slots, and samples only where a request reached
-the end of its input. A request verifying drafted tokens is a chunk of its last token plus
-the drafts; its rows are generated tokens, so they attend as decodes (the decode kernel, as
-``PrefillChunk.generated_rows``), and every row's logits go to ``Sampler.verify``.
+the end of its input. A request verifying drafted tokens lays out its last token plus the
+drafts as consecutive decode rows (each attends to the positions up to its own, the rows
+before it included), so a step of decodes and verifies takes the decode-only path; every
+row's logits go to ``Sampler.verify``.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ class ModelRunner:
             model, self.kv_caches, cuda_graphs, layout.num_blocks, layout.block_size)
         if self.graphs is not None:
             self.graphs.capture()
+        # A verify's rows attend as decode rows (see _is_decode), except over the int8 cache
+        self.verify_as_decodes = layout.kv_cache_dtype != "int8"
         # Speculative decoding with a draft model: its own K/V under the same block tables
         self.drafter = drafter
         self.sampler = Sampler(device, seed, model.backend)
@@ -285,10 +288,17 @@ class ModelRunner:
                 kv[:, :, dev] = swap[:, :, host.to(swap.device)].to(self.device)
 
     def _is_decode(self, s: ScheduledRequest) -> bool:
-        """One generated token's step. A prompt's last token alone (its chunking left it for
-        a step of its own) stays a prefill chunk: every prompt token then goes through the
-        same attention kernel, so prompts' KV do not depend on how they were chunked."""
-        return s.num_new_tokens == 1 and s.num_computed_tokens >= self.prompt_lens[s.request_id]
+        """One generated token's step, or a verify's (its last token and its drafts: one
+        decode row each, attending to the rows before it, whose K/V every attention path
+        writes before any decode row reads; but the int8 cache's CPU kernel writes each
+        row's K/V within its own attention task, so there a verify stays a chunk). A
+        prompt's last token alone (its chunking left it for a step of its own) stays a
+        prefill chunk: every prompt token then goes through the same attention kernel, so
+        prompts' KV do not depend on how they were chunked."""
+        if s.num_computed_tokens < self.prompt_lens[s.request_id]:
+            return False
+        return s.num_new_tokens == 1 or (s.num_new_tokens == s.num_spec_tokens + 1
+                                         and self.verify_as_decodes)
 
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -300,14 +310,16 @@ class ModelRunner:
         decode_slots: list[int] = []
         pos_parts, slot_parts = [], []
         prefills: list[PrefillChunk] = []
-        num_decodes = 0
+        decode_rows: list[ScheduledRequest] = []  # the request of each decode row
         for s in batch:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            if self._is_decode(s):
+            if self._is_decode(s):  # a decode row per token (a verify: 1 + drafts)
                 ids.append(self.tokens[s.request_id][start])
-                decode_pos.append(start)
-                decode_slots.append(s.block_ids[start // bs] * bs + start % bs)
-                num_decodes += 1
+                ids.extend(s.spec_token_ids)
+                for pos in range(start, end):
+                    decode_pos.append(pos)
+                    decode_slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+                    decode_rows.append(s)
                 continue
             ids.extend(self.tokens[s.request_id][start:end - len(s.spec_token_ids)])
             ids.extend(s.spec_token_ids)
@@ -326,20 +338,22 @@ class ModelRunner:
         positions = self._upload(np.concatenate(pos_parts))
         slot_mapping = self._upload(np.concatenate(slot_parts))
         input_ids = self._upload(ids)
-        decode_tables, decode_lens = self._decode_context(batch[:num_decodes])
-        meta = AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefills)
+        decode_tables, decode_lens = self._decode_context(decode_rows, decode_pos)
+        meta = AttentionMetadata(slot_mapping, len(decode_rows), decode_tables, decode_lens,
+                                 prefills)
         return input_ids, positions, meta
 
-    def _decode_context(self, decodes: list[ScheduledRequest]
+    def _decode_context(self, rows: list[ScheduledRequest], positions: list[int]
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Block tables [B, max_blocks] of the decodes and their context lengths [B]."""
-        if not decodes:
+        """Block tables [R, max_blocks] of the decode rows and their context lengths [R]
+        (a row at position p attends to p + 1 positions, its own included)."""
+        if not rows:
             return None, None
         bs = self.block_size
-        ctx_lens = np.array([s.num_computed_tokens + 1 for s in decodes])
+        ctx_lens = np.array(positions) + 1
         max_blocks = -(-int(ctx_lens.max()) // bs)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-        for i, s in enumerate(decodes):
+        tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        for i, s in enumerate(rows):
             n = min(len(s.block_ids), max_blocks)
             tables[i, :n] = s.block_ids[:n]
         return self._upload(tables), self._upload(ctx_lens)
