@@ -166,11 +166,12 @@ def firefox_wait(client: Any, script: str, timeout_s: float = 180) -> Any:
         lambda c: c.execute_script(script), message=script)
 
 
-def test_firefox_streams_an_answer_and_shows_the_burst(server: ServerProcess) -> None:
+def test_firefox_streams_an_answer_and_shows_the_burst(server: ServerProcess,
+                                                       tmp_path: Any) -> None:
     from marionette_driver import By
     from marionette_driver.keys import Keys
 
-    with firefox_session() as client:
+    with firefox_session(tmp_path) as client:
         client.navigate(server.base_url + "/")
         firefox_wait(client, "return document.getElementById('model').textContent === "
                              f"{server.model!r}")

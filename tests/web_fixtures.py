@@ -67,11 +67,13 @@ def firefox_path() -> str:
 
 
 @contextlib.contextmanager
-def firefox_session() -> Iterator[Any]:
-    """Headless Firefox (a new profile) and a Marionette session on it."""
+def firefox_session(folder: Path) -> Iterator[Any]:
+    """Headless Firefox (a new profile) and a Marionette session on it; Firefox's log goes
+    to folder/gecko.log."""
     from marionette_driver.marionette import Marionette
 
     client = Marionette(bin=firefox_path(), port=0, headless=True,
+                        gecko_log=str(folder / "gecko.log"),
                         startup_timeout=PAGE_TIMEOUT_MS // 1000)
     try:
         client.start_session()

@@ -10,7 +10,7 @@ run() {  # NAME ARGS...
   local name=$1; shift
   conveyor bench offline "$@" --max-model-len 1024 --roofline-batches \
     --speculative-config "$spec" --against speculative_config=none \
-    --result-file "$out/spec-$name.json" 2>/dev/null \
+    --result-file "$out/spec-quiet-$name.json" 2>/dev/null \
     | grep -E "Output token throughput|This engine|Spec decode|Engine steps|Duration"
 }
 run grounded-64-batch1 --workload grounded --num-requests 64 --max-num-seqs 1 --kv-cache-memory 64MiB
