@@ -115,7 +115,7 @@ def test_verify_rows_are_decode_rows_except_over_the_int8_cache(tiny_llama_dir,
         runner, metas = on.engine.runner, []
         prepare = runner._prepare
 
-        def prepare_and_keep(batch: Any, prepare: Any = prepare) -> Any:
+        def prepare_and_keep(batch: Any, prepare: Any = prepare, metas: list = metas) -> Any:
             result = prepare(batch)
             if any(s.num_spec_tokens for s in batch):
                 metas.append(result[2])

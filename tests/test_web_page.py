@@ -1,7 +1,7 @@
 """The web page at / in real browsers against a real `conveyor serve` with the default
 model. Headless chromium (through Playwright): a streamed chat answer, the stop button
 aborting the request on the server, the load button's burst seen batched in the live view,
-the API key asked once. Headless Firefox (through Marionette): the streamed answer and the
+every control reached and a question sent and stopped by keyboard, the API key asked once. Headless Firefox (through Marionette): the streamed answer and the
 burst. A failing chromium test leaves a screenshot of the page in its tmp dir (the error
 says where).
 """
@@ -129,6 +129,47 @@ def test_the_load_button_shows_requests_batched(page: Any, server: ServerProcess
         assert metric_value(metrics, "conveyor:num_requests_running") == 0
         assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
         page.wait_for_function("() => document.getElementById('running').textContent === '0'")
+
+
+def test_the_page_is_usable_by_keyboard(page: Any, server: ServerProcess,
+                                        tmp_path: Any) -> None:
+    """Tab reaches every control (the settings and the load button included); a question
+    typed and sent with Enter streams in, and Escape stops it on the server."""
+    with screenshot_on_failure(page, tmp_path, "keyboard"):
+        page.goto(server.base_url + "/")
+        page.wait_for_function("m => document.getElementById('model').textContent === m",
+                               arg=server.model)
+        page.evaluate("document.activeElement.blur()")
+        reached = []
+        for _ in range(40):
+            page.keyboard.press("Tab")
+            reached.append(page.evaluate("document.activeElement.id || "
+                                         "document.activeElement.tagName"))
+        assert {"key-button", "prompt", "send", "new-chat", "SUMMARY", "load", "load-n",
+                "load-max-tokens"} <= set(reached), reached
+        def focus(element_id: str) -> None:
+            for _ in range(40):
+                if page.evaluate("document.activeElement.id") == element_id:
+                    return
+                page.keyboard.press("Shift+Tab")
+            raise AssertionError(f"Shift+Tab never reached #{element_id}")
+
+        focus("new-chat")  # (the conversation of the tests before is kept)
+        page.keyboard.press("Enter")
+        assert page.locator("#messages .msg").count() == 0
+        focus("prompt")
+        page.keyboard.type("Write a long story about a dragon who learns to sail.")
+        page.keyboard.press("Enter")
+        page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .text')"
+                               "?.textContent.length > 20")
+        assert running(server) == 1
+        page.keyboard.press("Escape")
+        deadline = time.monotonic() + 10
+        while running(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(server) == 0
+        assert "stopped" in page.inner_text(f"{LAST_ANSWER} .stats")
+        wait_idle(server)
 
 
 def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,

@@ -316,9 +316,9 @@ class ModelRunner:
             if self._is_decode(s):  # a decode row per token (a verify: 1 + drafts)
                 ids.append(self.tokens[s.request_id][start])
                 ids.extend(s.spec_token_ids)
-                for pos in range(start, end):
-                    decode_pos.append(pos)
-                    decode_slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+                for row_pos in range(start, end):
+                    decode_pos.append(row_pos)
+                    decode_slots.append(s.block_ids[row_pos // bs] * bs + row_pos % bs)
                     decode_rows.append(s)
                 continue
             ids.extend(self.tokens[s.request_id][start:end - len(s.spec_token_ids)])
