@@ -17,6 +17,7 @@ from conveyor.planner import cli
 from conveyor.planner.models import resolve_model
 from conveyor.planner.plan import (
     ALLREDUCE_LATENCY_S,
+    KV_SCALE_BYTES,
     CapacityPlan,
     DeviceSpec,
     allreduce_time,
@@ -145,6 +146,29 @@ def test_smollm2_135m() -> None:
     # fp8 KV halves the bytes per token; weights stay fp16.
     fp8 = plan_capacity(config, device_preset("L4"), FP16, dtype_bytes("fp8"), 1000, 1, RESERVE)
     assert fp8.kv_bytes_per_token == 11_520 and fp8.weight_bytes == plan.weight_bytes
+
+
+def test_int8_kv_counts_the_scales_as_the_engine_lays_them_out() -> None:
+    """--kv-dtype int8 is conveyor's int8 cache: a float32 scale per token, layer, KV head
+    and K/V next to the values, the bytes per token of the engine's own KV layout."""
+    import torch
+
+    from conveyor.config import CacheConfig
+    from conveyor.ops.reference import INT8_SCALE_BYTES
+    from conveyor.runner.model_runner import KVCacheLayout
+
+    config = model_preset("smollm2-135m")
+    assert KV_SCALE_BYTES["int8"] == INT8_SCALE_BYTES
+    plan = plan_capacity(config, device_preset("L4"), FP16, dtype_bytes("int8"), 1000, 1,
+                         RESERVE, kv_scale_bytes=KV_SCALE_BYTES["int8"])
+    assert plan.kv_bytes_per_token == 30 * 3 * 2 * (64 + 4) == 12_240
+    layout = KVCacheLayout.from_budget(config, CacheConfig(kv_cache_memory=1 << 24,
+                                                           kv_cache_dtype="int8"),
+                                       torch.float32)
+    assert layout.bytes_per_token == plan.kv_bytes_per_token
+    table = cli.format_table("smollm2-135m", config, device_preset("L4"), "float16", "int8",
+                             plan)
+    assert "12,240 B" in table and "+ 4 B scale" in table
 
 
 def test_decode_bound_by_hand() -> None:

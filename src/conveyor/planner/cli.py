@@ -15,6 +15,7 @@ from conveyor.config import ModelConfig, max_tensor_parallel_size
 from conveyor.planner.models import resolve_model
 from conveyor.planner.plan import (
     DTYPE_BYTES,
+    KV_SCALE_BYTES,
     CapacityPlan,
     DeviceSpec,
     ParallelPlan,
@@ -224,8 +225,8 @@ def format_table(name: str, config: ModelConfig, device: DeviceSpec, dtype: str,
          + ("" if plan.weights_fit else "  (weights do not fit: raise --tp)")),
         (f"KV per token ({kv_dtype})",
          f"{plan.kv_bytes_per_token:,} B = {config.num_hidden_layers} layers x "
-         f"{config.num_key_value_heads} KV heads x {config.head_dim} head_dim x 2 (K,V) x "
-         f"{dtype_bytes(kv_dtype, '--kv-dtype')} B"),
+         f"{config.num_key_value_heads} KV heads x 2 (K,V) x ({config.head_dim} head_dim x "
+         f"{dtype_bytes(kv_dtype, '--kv-dtype')} B{_scale_term(kv_dtype)})"),
         *([(f"KV per token{per_dev}", f"{plan.kv_bytes_per_token_per_device:,} B "
             f"({heads} KV heads)")] if plan.tp > 1 else []),
         ("KV tokens that fit", f"{plan.kv_tokens:,}"),
@@ -253,6 +254,11 @@ def to_json(name: str, device: DeviceSpec, dtype: str, kv_dtype: str,
             "parallel": None if par is None else dataclasses.asdict(par)}
 
 
+def _scale_term(kv_dtype: str) -> str:
+    scale = KV_SCALE_BYTES.get(kv_dtype.lower(), 0)
+    return f" + {scale} B scale" if scale else ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``conveyor plan``; 0 on success, 2 (with a message on stderr) on bad input."""
     try:
@@ -262,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_capacity(config, device, dtype_bytes(args.dtype, "--dtype"),
                              dtype_bytes(kv_dtype, "--kv-dtype"), args.seq_len, args.batch,
                              parse_activation_reserve(str(args.activation_reserve)),
-                             tp=args.tp)
+                             tp=args.tp, kv_scale_bytes=KV_SCALE_BYTES.get(kv_dtype.lower(), 0))
         link, link_bytes = resolve_link(args, device)
         par = plan_parallel(config, plan, dtype_bytes(args.dtype), args.replicas, link,
                             link_bytes)

@@ -37,6 +37,10 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1, "float8": 1,
 }
 
+# conveyor's int8 KV cache keeps a float32 scale per token, layer, KV head and K/V next to
+# the int8 values (conveyor.ops.reference.INT8_SCALE_BYTES; tests check the two agree).
+KV_SCALE_BYTES: dict[str, int] = {"int8": 4}
+
 # Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
 ALLREDUCE_LATENCY_S = 10e-6
 # The flag that names the tensor-parallel size in the planner's errors.
@@ -134,9 +138,16 @@ def kv_heads_per_device(config: ModelConfig, tp: int) -> int:
     return math.ceil(config.num_key_value_heads / tp)
 
 
-def _kv_bytes_per_token_per_device(config: ModelConfig, kv_dtype_bytes: int, tp: int) -> int:
-    # kv_bytes_per_token is linear in the KV heads.
-    per_head = config.kv_bytes_per_token(kv_dtype_bytes) // config.num_key_value_heads
+def kv_bytes_per_head_token(config: ModelConfig, kv_dtype_bytes: int,
+                            kv_scale_bytes: int = 0) -> int:
+    """K and V of one KV head for one token, all layers (with a quantized cache's scale per
+    head and token, ``kv_scale_bytes``: ``KV_SCALE_BYTES``)."""
+    return 2 * config.num_hidden_layers * (config.head_dim * kv_dtype_bytes + kv_scale_bytes)
+
+
+def _kv_bytes_per_token_per_device(config: ModelConfig, kv_dtype_bytes: int, tp: int,
+                                   kv_scale_bytes: int = 0) -> int:
+    per_head = kv_bytes_per_head_token(config, kv_dtype_bytes, kv_scale_bytes)
     return per_head * kv_heads_per_device(config, tp)
 
 
@@ -146,17 +157,19 @@ def _kv_budget(device: DeviceSpec, weight_bytes: int, reserve_bytes: float,
 
 
 def _kv_tokens(config: ModelConfig, device: DeviceSpec, weight_bytes: int,
-               kv_dtype_bytes: int, reserve_bytes: float, tp: int) -> int:
+               kv_dtype_bytes: int, reserve_bytes: float, tp: int,
+               kv_scale_bytes: int = 0) -> int:
     budget = _kv_budget(device, weight_bytes, reserve_bytes, tp)
-    per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp, kv_scale_bytes)
     return max(0, int(budget // per_token))
 
 
 def decode_bound(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
-                 kv_dtype_bytes: int, seq_len: int, batch: int, tp: int = 1) -> DecodeBound:
+                 kv_dtype_bytes: int, seq_len: int, batch: int, tp: int = 1,
+                 kv_scale_bytes: int = 0) -> DecodeBound:
     """The roofline bound on a decode step of ``batch`` sequences of ``seq_len`` tokens."""
     params = config.num_parameters()
-    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp, kv_scale_bytes)
     bytes_read = params * dtype_bytes / tp + batch * seq_len * kv_per_token
     memory_time = bytes_read / device.bandwidth_bytes_per_s
     compute_time = 2 * params * batch / (tp * device.flops_per_s)
@@ -167,14 +180,15 @@ def decode_bound(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
 
 
 def compute_bound_batch(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
-                        kv_dtype_bytes: int, seq_len: int, tp: int = 1) -> float | None:
+                        kv_dtype_bytes: int, seq_len: int, tp: int = 1,
+                        kv_scale_bytes: int = 0) -> float | None:
     """The batch where compute time catches up with memory time; None if it never does.
 
     Solves ``(W + B*S*k) / BW = 2*P*B / F`` for ``B``. Each extra sequence adds KV reads as
     well as FLOPs, so when its KV costs more time than its FLOPs decode stays memory-bound.
     """
     params = config.num_parameters()
-    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp)
+    kv_per_token = _kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp, kv_scale_bytes)
     weight_time = params * dtype_bytes / tp / device.bandwidth_bytes_per_s
     flops_time_per_seq = 2 * params / (tp * device.flops_per_s)
     kv_time_per_seq = seq_len * kv_per_token / device.bandwidth_bytes_per_s
@@ -184,14 +198,15 @@ def compute_bound_batch(config: ModelConfig, device: DeviceSpec, dtype_bytes: in
 
 def min_tensor_parallel(config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
                         kv_dtype_bytes: int, seq_len: int, batch: int,
-                        activation_reserve: float) -> int | None:
+                        activation_reserve: float, kv_scale_bytes: int = 0) -> int | None:
     """Fewest devices (a power of two the engine can split the model over) that hold the
     weights plus ``batch`` sequences' KV; None when no such split does."""
     reserve = reserve_bytes(device, activation_reserve)
     weight_bytes = config.num_parameters() * dtype_bytes
     tp = 1
     while tp <= max_tensor_parallel_size(config):
-        tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp)
+        tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp,
+                            kv_scale_bytes)
         if tokens >= batch * seq_len:
             return tp
         tp *= 2
@@ -229,11 +244,13 @@ def _validate(dtype_bytes: int, kv_dtype_bytes: int, seq_len: int, batch: int) -
 
 def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: int,
                   kv_dtype_bytes: int, seq_len: int, batch: int, activation_reserve: float,
-                  tp: int = 1) -> CapacityPlan:
+                  tp: int = 1, kv_scale_bytes: int = 0) -> CapacityPlan:
     """Weights, KV capacity and decode bounds of ``model_config`` on ``tp`` x ``device``.
 
     ``activation_reserve`` is a fraction of device memory when below 1, else bytes; it is
     held back on every device for activations, workspace and the runtime.
+    ``kv_scale_bytes``: a quantized KV cache's scale per token, layer, KV head and K/V
+    (``KV_SCALE_BYTES``).
     """
     _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch)
     check_tensor_parallel(model_config, tp, TP_FLAG)
@@ -242,30 +259,34 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     params = config.num_parameters()
     weight_bytes = params * dtype_bytes
     budget = _kv_budget(device, weight_bytes, reserve, tp)
-    kv_tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp)
+    scale = kv_scale_bytes
+    kv_tokens = _kv_tokens(config, device, weight_bytes, kv_dtype_bytes, reserve, tp, scale)
     max_seqs = kv_tokens // seq_len
-    at_max = (decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, max_seqs, tp)
-              if max_seqs > 0 else None)
+    at_max = (decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, max_seqs, tp,
+                           scale) if max_seqs > 0 else None)
     min_tp = min_tensor_parallel(config, device, dtype_bytes, kv_dtype_bytes, seq_len, batch,
-                                 activation_reserve)
+                                 activation_reserve, scale)
     return CapacityPlan(
         num_parameters=params,
         tp=tp,
         seq_len=seq_len,
         weight_bytes=weight_bytes,
         weight_bytes_per_device=weight_bytes / tp,
-        kv_bytes_per_token=config.kv_bytes_per_token(kv_dtype_bytes),
-        kv_bytes_per_token_per_device=_kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp),
+        kv_bytes_per_token=kv_bytes_per_head_token(config, kv_dtype_bytes, scale)
+        * config.num_key_value_heads,
+        kv_bytes_per_token_per_device=_kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp,
+                                                                     scale),
         activation_reserve_bytes=reserve,
         kv_budget_bytes=max(0.0, budget),
         weights_fit=budget > 0,
         kv_tokens=kv_tokens,
         max_concurrent_seqs=max_seqs,
         ops_per_byte=device.ops_per_byte,
-        decode=decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, batch, tp),
+        decode=decode_bound(config, device, dtype_bytes, kv_dtype_bytes, seq_len, batch, tp,
+                            scale),
         decode_at_max_concurrency=at_max,
         compute_bound_batch=compute_bound_batch(config, device, dtype_bytes, kv_dtype_bytes,
-                                                seq_len, tp),
+                                                seq_len, tp, scale),
         compute_bound_batch_weights_only=device.ops_per_byte * dtype_bytes / 2,
         min_tp=min_tp,
         min_tp_divides_kv_heads=(min_tp is not None
