@@ -103,9 +103,11 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token across all layers (grouped-query aware)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V for one token across all layers (grouped-query aware); ``scale_bytes``: a
+        quantized cache's scale per token, layer, KV head and K/V (INT8_KV_SCALE_BYTES)."""
+        return (2 * self.num_hidden_layers * self.num_key_value_heads
+                * (self.head_dim * dtype_bytes + scale_bytes))
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -117,6 +119,9 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
+# The int8 KV cache keeps a float32 scale per token, layer, KV head and K/V next to the int8
+# values (the layout: conveyor.ops.reference.kv_cache_shape).
+INT8_KV_SCALE_BYTES = 4
 
 
 def setting(default: Any, help: str, flag_type: Any = None) -> Any:

@@ -106,3 +106,12 @@ class RequestOutput:
 def copy_completion(c: CompletionOutput) -> CompletionOutput:
     return dataclasses.replace(c, token_ids=list(c.token_ids),
                                logprobs=None if c.logprobs is None else list(c.logprobs))
+
+
+def joined(earlier: CompletionOutput | None, delta: CompletionOutput) -> CompletionOutput:
+    """``earlier`` (an output the caller owns, or None) with ``delta`` appended: an output
+    the caller owns (a stream holding back a delta until it has text to send)."""
+    if earlier is None:
+        return copy_completion(delta)
+    earlier.add(delta)
+    return earlier

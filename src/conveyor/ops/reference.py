@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conveyor.config import INT8_KV_SCALE_BYTES
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """w * (x * rsqrt(mean(x^2) + eps)): normalised in float32, scaled in x's dtype (HF)."""
@@ -48,7 +50,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 # kernel (csrc/cpu_ops.cpp): K as [D / 4, bs, 4] (16 positions' 4 consecutive dims in one
 # 64-byte vector), V as [bs / 4, D, 4] (16 dims' 4 consecutive positions in one vector);
 # block_size must be a multiple of 16.
-INT8_SCALE_BYTES = 4
+INT8_SCALE_BYTES = INT8_KV_SCALE_BYTES
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

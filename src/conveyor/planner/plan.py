@@ -26,7 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conveyor.config import ModelConfig, check_tensor_parallel, max_tensor_parallel_size
+from conveyor.config import (
+    INT8_KV_SCALE_BYTES,
+    ModelConfig,
+    check_tensor_parallel,
+    max_tensor_parallel_size,
+)
 
 # Bytes per element of a weight or KV dtype, by the names --dtype/--kv-dtype accept.
 DTYPE_BYTES: dict[str, int] = {
@@ -37,9 +42,8 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1, "float8": 1,
 }
 
-# conveyor's int8 KV cache keeps a float32 scale per token, layer, KV head and K/V next to
-# the int8 values (conveyor.ops.reference.INT8_SCALE_BYTES; tests check the two agree).
-KV_SCALE_BYTES: dict[str, int] = {"int8": 4}
+# Bytes of scale per token, layer, KV head and K/V, by --kv-dtype: conveyor's int8 cache's.
+KV_SCALE_BYTES: dict[str, int] = {"int8": INT8_KV_SCALE_BYTES}
 
 # Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
 ALLREDUCE_LATENCY_S = 10e-6
@@ -138,16 +142,11 @@ def kv_heads_per_device(config: ModelConfig, tp: int) -> int:
     return math.ceil(config.num_key_value_heads / tp)
 
 
-def kv_bytes_per_head_token(config: ModelConfig, kv_dtype_bytes: int,
-                            kv_scale_bytes: int = 0) -> int:
-    """K and V of one KV head for one token, all layers (with a quantized cache's scale per
-    head and token, ``kv_scale_bytes``: ``KV_SCALE_BYTES``)."""
-    return 2 * config.num_hidden_layers * (config.head_dim * kv_dtype_bytes + kv_scale_bytes)
-
-
 def _kv_bytes_per_token_per_device(config: ModelConfig, kv_dtype_bytes: int, tp: int,
                                    kv_scale_bytes: int = 0) -> int:
-    per_head = kv_bytes_per_head_token(config, kv_dtype_bytes, kv_scale_bytes)
+    # kv_bytes_per_token is linear in the KV heads.
+    per_head = (config.kv_bytes_per_token(kv_dtype_bytes, kv_scale_bytes)
+                // config.num_key_value_heads)
     return per_head * kv_heads_per_device(config, tp)
 
 
@@ -272,8 +271,7 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
         seq_len=seq_len,
         weight_bytes=weight_bytes,
         weight_bytes_per_device=weight_bytes / tp,
-        kv_bytes_per_token=kv_bytes_per_head_token(config, kv_dtype_bytes, scale)
-        * config.num_key_value_heads,
+        kv_bytes_per_token=config.kv_bytes_per_token(kv_dtype_bytes, scale),
         kv_bytes_per_token_per_device=_kv_bytes_per_token_per_device(config, kv_dtype_bytes, tp,
                                                                      scale),
         activation_reserve_bytes=reserve,

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput, copy_completion
+from conveyor.outputs import CompletionOutput, joined
 from conveyor.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from conveyor.server.common import (
     EngineStreamingResponse,
@@ -266,10 +266,7 @@ class _ChoiceStream:
             return None
         if self.tools is not None:
             self.text += c.text
-        earlier, self.held = self.held, None
-        if earlier is not None:  # the delta held back last time, and this one
-            earlier.add(c)
-            c = earlier
+        c, self.held = joined(self.held, c), None  # with a delta held back last time
         finished = c.finish_reason is not None
         calls: list[DeltaToolCall] = []
         if self.tools is None:
@@ -281,7 +278,7 @@ class _ChoiceStream:
                      for n in news]
             self.made_calls = self.made_calls or bool(calls)
         if not delta and not calls and not finished:
-            self.held = copy_completion(c) if earlier is None else c
+            self.held = c
             return None
         choice = ChatChunkChoice(index=c.index,
                                  delta=DeltaMessage(content=delta or None,

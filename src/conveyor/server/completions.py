@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput, RequestOutput, copy_completion
+from conveyor.outputs import CompletionOutput, RequestOutput, joined
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.common import (
     MAX_PROMPTS_PER_REQUEST,
@@ -154,11 +154,9 @@ async def _stream(state: ServerState, prep: _Prepared,
             index = i * n + c.index
             if done[index]:
                 continue
-            if (earlier := held.pop(index, None)) is not None:
-                earlier.add(c)
-                c = earlier
+            c = joined(held.pop(index, None), c)
             if not c.text and c.finish_reason is None:  # no text to show yet: its tokens'
-                held[index] = copy_completion(c) if earlier is None else c  # logprobs wait
+                held[index] = c  # logprobs wait
                 continue
             choice = _choice(index, c, c.text, offsets[index])
             if choice.logprobs is not None:

@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 
 from conveyor.bench.datasets import DatasetConfig, SampleRequest, sample_requests
-from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs, ModelConfig, parse_memory
+from conveyor.config import (
+    INT8_KV_SCALE_BYTES,
+    SERVER_MAX_NUM_BATCHED_TOKENS,
+    EngineArgs,
+    ModelConfig,
+    parse_memory,
+)
 from conveyor.planner.plan import DeviceSpec, reserve_bytes
 from conveyor.planner.presets import MODEL_PRESETS, default_link, device_preset, link_preset
 from conveyor.sim.cost import CostModel, MeasuredCost, Profile, RooflineCost, model_fingerprint
@@ -21,7 +27,6 @@ from conveyor.sim.simulator import SimRequest, SimSetup, arrival_times
 COST_MODELS = ("roofline", "measured")
 # Bytes per element of the engine's --dtype on an accelerator (auto: bf16).
 ENGINE_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
-INT8_SCALE_BYTES = 4  # the int8 KV cache keeps a float32 scale per token and head
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,7 @@ def resolve_model(model: str | None) -> SimModel:
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str) -> int:
     """KV bytes per token across all layers and KV heads, as the engine lays them out."""
     if kv_cache_dtype == "int8":
-        return 2 * config.num_hidden_layers * config.num_key_value_heads \
-            * (config.head_dim + INT8_SCALE_BYTES)
+        return config.kv_bytes_per_token(1, INT8_KV_SCALE_BYTES)
     return config.kv_bytes_per_token(dtype_bytes)
 
 
