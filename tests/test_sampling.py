@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.outputs import Logprob
 
 PROMPT = [11, 42, 7, 300, 12, 99, 250, 31]
 
@@ -385,3 +386,41 @@ def test_logprobs_of_sampled_tokens(tiny_llm, kv_free) -> None:
         temperature=0, max_tokens=4, ignore_eos=True))
     assert none.outputs[0].logprobs is None
     kv_free(tiny_llm)
+
+
+def test_a_step_brings_tokens_and_logprobs_to_the_host_in_one_copy(monkeypatch) -> None:
+    """The sampler computes every row's logprobs on the logits' device and copies them to the
+    host once, with the token ids (issue 14: one device sync per step, not three per request
+    asking for logprobs). A row's entries are what it would get alone: its sampled token's
+    logprob and rank, its top n (rows asking the same n share one topk, so ties at the edge
+    of the top n cannot depend on the other rows)."""
+    from conveyor.runner.sampler import Sampler, SamplingState
+
+    gen = torch.Generator().manual_seed(0)
+    # bf16-like logits: few distinct values, so ties are everywhere
+    logits = (torch.randn(6, 50, generator=gen) * 4).round() / 4
+    wanted = [None, 0, 2, 5, 2, None]
+    states = [SamplingState(SamplingParams(temperature=1.0, seed=i, logprobs=n), [1, 2], [],
+                            torch.Generator().manual_seed(i)) for i, n in enumerate(wanted)]
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    copies = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.shape) or real_tolist(t))
+    for name in ("item", "__int__", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda t, name=name: pytest.fail(f"{name}()"))
+    tokens, logprobs = sampler(logits, states)
+    monkeypatch.undo()
+    assert len(copies) == 1
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, (token, n) in enumerate(zip(tokens, wanted, strict=True)):
+        if n is None:
+            assert logprobs[i] is None
+            continue
+        row = reference[i]
+        expected = {token: Logprob(float(row[token]), int((row > row[token]).sum()) + 1)}
+        values, ids = reference[i:i + 1].topk(n)  # the row alone
+        for r, (v, t) in enumerate(zip(values[0].tolist(), ids[0].tolist(), strict=True),
+                                       start=1):
+            expected.setdefault(t, Logprob(v, r))
+        assert logprobs[i] == expected
+    assert {e[t].rank for e, t in zip(logprobs, tokens, strict=True) if e} != {1}  # sampled, not all top

@@ -29,6 +29,7 @@ from conveyor.ops import OpsBackend
 from conveyor.ops.reference import kv_cache_shape
 from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
+from conveyor.runner.transfer import upload
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
 if TYPE_CHECKING:
@@ -359,10 +360,5 @@ class ModelRunner:
         return self._upload(tables), self._upload(ctx_lens)
 
     def _upload(self, host: np.ndarray | list[int]) -> torch.Tensor:
-        """Host integers as an int64 tensor on the device. On CUDA through pinned memory,
-        copied asynchronously: the host goes on building the step meanwhile (torch's pinned
-        memory cache keeps the buffer until its copy has run)."""
-        tensor = torch.as_tensor(host, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        """Host integers as an int64 tensor on the device (``transfer.upload``)."""
+        return upload(host, self.device, torch.int64)

@@ -29,6 +29,7 @@ import torch
 
 from conveyor.core.outputs import Logprob
 from conveyor.ops import OpsBackend, ReferenceBackend
+from conveyor.runner.transfer import upload
 from conveyor.sampling_params import SamplingParams
 
 
@@ -85,17 +86,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = upload(random_rows, logits.device)
             sampled = self._sample(logits.index_select(0, idx), [states[i] for i in random_rows])
             tokens.index_copy_(0, idx, sampled)
-        token_list: list[int] = tokens.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(states)
-        if raw_logprobs is not None:
-            for i, state in enumerate(states):
-                if state.params.logprobs is not None:
-                    logprobs[i] = _top_logprobs(raw_logprobs[i], token_list[i],
-                                                state.params.logprobs)
-        return token_list, logprobs
+        if raw_logprobs is None:
+            return tokens.tolist(), [None] * len(states)
+        return _with_logprobs(raw_logprobs, tokens, [s.params.logprobs for s in states])
 
     def verify(self, logits: torch.Tensor, states: list[SamplingState],
                drafts: list[list[int]]) -> list[tuple[list[int], list[dict[int, Logprob] | None]]]:
@@ -113,7 +109,7 @@ class Sampler:
         results: list[tuple[list[int], list[dict[int, Logprob] | None]]] = []
         if rows:
             plain = logits if len(rows) == logits.shape[0] else \
-                logits.index_select(0, torch.tensor(rows, device=logits.device))
+                logits.index_select(0, upload(rows, logits.device))
             tokens, logprobs = self(plain, row_states)
         at = 0
         for i, (state, d) in enumerate(zip(states, drafts, strict=True)):
@@ -146,12 +142,11 @@ class Sampler:
             tokens.append(_race(probs[i], generator))
             if i == len(drafts) or tokens[-1] != drafts[i]:
                 break
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(tokens)
-        if state.params.logprobs is not None:
-            raw = torch.log_softmax(logits, dim=-1)
-            logprobs = [_top_logprobs(raw[i], t, state.params.logprobs)
-                        for i, t in enumerate(tokens)]
-        return tokens, logprobs
+        if state.params.logprobs is None:
+            return tokens, [None] * len(tokens)
+        raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
+        drawn = upload(tokens, raw.device)
+        return _with_logprobs(raw, drawn, [state.params.logprobs] * len(tokens))
 
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
@@ -166,12 +161,11 @@ class Sampler:
         vocab = logits.shape[-1]
         for i in rows:
             p = states[i].params
-            out_ids = torch.tensor(states[i].output_token_ids, dtype=torch.long,
-                                   device=logits.device)
+            out_ids = upload(states[i].output_token_ids, logits.device, torch.long)
             row = logits[i]
             if p.repetition_penalty != 1:
-                seen = torch.tensor(states[i].prompt_token_ids + states[i].output_token_ids,
-                                    dtype=torch.long, device=logits.device).unique()
+                seen = upload(states[i].prompt_token_ids + states[i].output_token_ids,
+                              logits.device, torch.long).unique()
                 values = row.index_select(0, seen)
                 values = torch.where(values > 0, values / p.repetition_penalty,
                                      values * p.repetition_penalty)
@@ -193,15 +187,15 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The distributions the rows sample from: temperature, top-k, top-p, min-p."""
         device = logits.device
-        temps = torch.tensor([s.params.temperature for s in states], device=device)
+        temps = upload([s.params.temperature for s in states], device, torch.float32)
         logits = logits / temps.unsqueeze(1)
         if any(s.params.top_k > 0 for s in states):
             logits = _top_k(logits, [s.params.top_k for s in states])
         if any(s.params.top_p < 1 for s in states):
-            logits = _top_p(logits, torch.tensor([s.params.top_p for s in states], device=device))
+            logits = _top_p(logits, upload([s.params.top_p for s in states], device, torch.float32))
         probs = torch.softmax(logits, dim=-1)
         if any(s.params.min_p > 0 for s in states):
-            min_p = torch.tensor([s.params.min_p for s in states], device=device)
+            min_p = upload([s.params.min_p for s in states], device, torch.float32)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
@@ -221,7 +215,7 @@ def _plain_greedy(state: SamplingState) -> bool:
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    k = torch.tensor([k if k > 0 else vocab for k in ks], device=logits.device).clamp(max=vocab)
+    k = upload([k if k > 0 else vocab for k in ks], logits.device).clamp(max=vocab)
     kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -235,14 +229,36 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _top_logprobs(logprobs: torch.Tensor, sampled: int, n: int) -> dict[int, Logprob]:
-    """The sampled token's logprob and the top-n, with ranks (1 = most likely)."""
-    result: dict[int, Logprob] = {}
-    sampled_lp = logprobs[sampled]
-    rank = int((logprobs > sampled_lp).sum()) + 1
-    result[sampled] = Logprob(float(sampled_lp), rank)
-    if n > 0:
-        values, ids = logprobs.topk(n)
-        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            result.setdefault(t, Logprob(v, r))
-    return result
+def _with_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+                   ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """The token ids, and for each row that asks (``wanted[i]`` = n; None: no logprobs) the
+    sampled token's logprob and the top n, with ranks (1 = most likely).
+
+    Computed on the logits' device and brought to the host in one copy with the token ids:
+    one device sync per step, not three per request. Rows asking the same n share one
+    ``topk``, so which of tied values a row lists does not depend on the other rows."""
+    groups: dict[int, list[int]] = {}  # n -> the rows asking for the top n
+    for i, n in enumerate(wanted):
+        if n is not None:
+            groups.setdefault(n, []).append(i)
+    parts = [tokens.double()]
+    for n, rows in groups.items():
+        idx = upload(rows, logprobs.device)
+        lp = logprobs.index_select(0, idx)
+        sampled = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
+        rank = (lp > sampled).sum(dim=-1, keepdim=True) + 1
+        values, ids = lp.topk(n)
+        row_parts = [sampled, rank, values, ids]  # per row: 2 + 2n numbers
+        parts.append(torch.cat([p.double() for p in row_parts], dim=1).flatten())
+    host: list[float] = torch.cat(parts).tolist()
+    token_list = [int(t) for t in host[:len(wanted)]]
+    result: list[dict[int, Logprob] | None] = [None] * len(wanted)
+    at = len(wanted)
+    for n, rows in groups.items():
+        for i in rows:
+            row, at = host[at:at + 2 + 2 * n], at + 2 + 2 * n
+            top = {token_list[i]: Logprob(row[0], int(row[1]))}
+            for r in range(n):
+                top.setdefault(int(row[2 + n + r]), Logprob(row[2 + r], r + 1))
+            result[i] = top
+    return token_list, result
