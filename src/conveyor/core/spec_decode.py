@@ -111,15 +111,19 @@ class _RequestSpec:
         return self.accepted / self.tried
 
 
-class StepCostModel:
-    """t(T) = a + b*T over the last COST_WINDOW steps (least squares)."""
+class _CostWindow:
+    """The last COST_WINDOW (count, seconds) samples of a measured cost (counts > 0)."""
 
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0:
-            self.samples.append((num_tokens, seconds))
+    def record(self, count: int, seconds: float) -> None:
+        if count > 0:
+            self.samples.append((count, seconds))
+
+
+class StepCostModel(_CostWindow):
+    """t(T) = a + b*T over the last COST_WINDOW steps of T tokens (least squares)."""
 
     def fit(self) -> tuple[float, float] | None:
         n = len(self.samples)
@@ -147,17 +151,10 @@ class StepCostModel:
         return num_samples * (b + draft_cost) / step if step > 0 else 0.0
 
 
-class DraftCost:
+class DraftCost(_CostWindow):
     """Seconds per proposed draft token over the last COST_WINDOW drafting steps; 0 until
     COST_MIN_SAMPLES of them (a request's first draft pays for catching up its whole
     prompt: one step alone would price every later draft at that)."""
-
-    def __init__(self) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
-
-    def record(self, num_drafts: int, seconds: float) -> None:
-        if num_drafts > 0:
-            self.samples.append((num_drafts, seconds))
 
     @property
     def per_token(self) -> float:

@@ -45,6 +45,12 @@ DTYPE_BYTES: dict[str, int] = {
 # Bytes of scale per token, layer, KV head and K/V, by --kv-dtype: conveyor's int8 cache's.
 KV_SCALE_BYTES: dict[str, int] = {"int8": INT8_KV_SCALE_BYTES}
 
+
+def kv_scale_bytes(kv_dtype: str) -> int:
+    """Bytes of scale per token, layer, KV head and K/V of a ``--kv-dtype`` (0: none)."""
+    return KV_SCALE_BYTES.get(kv_dtype.lower(), 0)
+
+
 # Each ring all-reduce also pays a launch/synchronisation latency (NCCL small-message figure).
 ALLREDUCE_LATENCY_S = 10e-6
 # The flag that names the tensor-parallel size in the planner's errors.
@@ -249,7 +255,7 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     ``activation_reserve`` is a fraction of device memory when below 1, else bytes; it is
     held back on every device for activations, workspace and the runtime.
     ``kv_scale_bytes``: a quantized KV cache's scale per token, layer, KV head and K/V
-    (``KV_SCALE_BYTES``).
+    (``kv_scale_bytes(kv_dtype)``).
     """
     _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch)
     check_tensor_parallel(model_config, tp, TP_FLAG)
