@@ -74,7 +74,7 @@ def test_roofline_tensor_parallel_splits_weights_and_pays_all_reduce() -> None:
 
 
 def test_fit_terms_recovers_known_coefficients_and_stays_non_negative() -> None:
-    truth = [0.004, 0.0002, 0.0, 3e-7, 1e-8]
+    truth = [0.004, 0.0002, 0.0, 3e-7, 1e-8, 0.002]
     shapes = [StepShape(num_seqs=b + (p > 0), num_decode=b, num_prefill_tokens=p,
                         decode_context=b * c, prefill_context=p, prefill_attention=p * p // 2)
               for b in (1, 4, 16, 64) for c in (64, 512) for p in (0, 32, 256)]
@@ -412,3 +412,9 @@ def test_fit_server_terms_recovers_step_and_token_costs() -> None:
     # A server faster than the engine-only prediction gets no negative cost.
     fast = [ServeRun(b, 0.001, 0.001, 0.010, 0.003) for b in (1, 8)]
     assert min(fit_server_terms(fast).values()) == 0.0
+    # Where the server reported its own TTFT, the front end is the gap to it, whatever the
+    # simulated engine made of the lone prefill (here 20 ms too fast).
+    measured = [dataclasses.replace(r, engine_ttft=r.engine_ttft - 0.020, client_ttft_mean=0.5,
+                                    server_ttft_mean=0.5 - 0.004 - 0.002 - 0.0004)
+                if r.batch == 1 else r for r in runs]
+    assert fit_server_terms(measured)["server_request"] == pytest.approx(0.004)

@@ -218,6 +218,7 @@ TERM_UNITS = {"step": "ms per step (fixed: weights read, scheduling)",
               "seq": "ms per sequence in the step (sampling, bookkeeping)",
               "decode_context": "ms per KV position a decode attends to",
               "prefill_attention": "ms per prefill (query, key) pair and KV position read",
+              "prefill_step": "ms per step with a prompt chunk (the chunk path's own cost)",
               "server_step": "ms per engine-loop step (handing outputs to the server)",
               "server_token": "ms per token streamed (SSE event, client read)",
               "server_request": "ms per request before the engine (HTTP, tokenizing)"}
@@ -282,17 +283,44 @@ def _serve_batch(url: str, grid: ServeGrid, batch: int, setup: SimSetup,
                for _ in range(grid.lone_requests if batch == 1 else batch)]
     samples = [SampleRequest(p, grid.prompt_len, grid.output_len) for p in prompts]
     concurrency = 1 if batch == 1 else None
+    before = _server_ttft(url)
     real = asyncio.run(run_benchmark(BenchmarkConfig(
         base_url=url, ignore_eos=True, show_progress=False, max_concurrency=concurrency),
         samples))
     if real.metrics.completed != len(samples):
         raise RuntimeError(f"the profile's serve run failed: {real.first_error}")
+    total, count = (a - b for a, b in zip(_server_ttft(url), before, strict=True))
     sims = [SimRequest(str(i), 0.0, p, grid.output_len) for i, p in enumerate(prompts)]
     run = simulate(setup, cost, sims, max_concurrency=concurrency)
     return ServeRun(batch, statistics.median(r.ttft for r in real.records),
-                     statistics.median(r.tpot or 0.0 for r in real.records),
-                     statistics.median(r.record.ttft for r in run.requests),
-                     statistics.median(r.record.tpot or 0.0 for r in run.requests))
+                    statistics.median(r.tpot or 0.0 for r in real.records),
+                    statistics.median(r.record.ttft for r in run.requests),
+                    statistics.median(r.record.tpot or 0.0 for r in run.requests),
+                    client_ttft_mean=statistics.mean(r.ttft for r in real.records),
+                    server_ttft_mean=total / count if count == len(samples) else None)
+
+
+def _server_ttft(url: str) -> tuple[float, float]:
+    """The sum and count of the server's own time-to-first-token histogram (from the
+    engine's arrival to its first token); zeros if /metrics cannot be read."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0.0, 0.0
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "conveyor:time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
 
 
 def measure_server(args: EngineArgs, grid: ServeGrid, profile: Profile, setup: SimSetup,
