@@ -17,7 +17,7 @@ from block_helpers import TYPES, random_blocks
 from conveyor import ops
 
 # (start, rows) slices of a 300-row call: alone, decode-sized, and over a token pass (64 rows).
-PARTS = [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (40, 64), (1, 299)]
+PARTS = [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (40, 64), (0, 65), (100, 144), (1, 299)]
 
 
 @pytest.fixture(scope="module")

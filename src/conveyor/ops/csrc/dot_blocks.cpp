@@ -26,6 +26,7 @@
 #include "dot_tiles.h"
 #include "gguf_blocks.h"
 #include "simd_math.h"
+#include "token_passes.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +39,7 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kPass = 64;       // tokens per pass: their sums stay in L1 between blocks
+constexpr int64_t kPass = 64;       // most tokens per pass: their sums stay in L1 between blocks
 constexpr int kTokens = 3;          // 3 tokens x 4 records x 2 (block and total sums): 24 sums
 constexpr int64_t kStreamed = 3;    // up to this many tokens, records are read in place
 constexpr int kOuterTokens = 6;     // beyond: 6 tokens x 4 records of block sums at a time
@@ -215,10 +216,11 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = block_format(Type).record_bytes;
-  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups, passes = (m + kPass - 1) / kPass;
+  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
+  const TokenPasses passes(m, kPass);
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
-  at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
@@ -226,7 +228,7 @@ void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
       Records<Type> r{{}, record, nibble_levels<Type>()};
       for (int64_t j = 0; j < kTaskGroups; ++j)
         r.first[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
-      const int64_t m0 = pass * kPass, m1 = std::min(m, m0 + kPass);
+      const int64_t m0 = passes.begin(pass), m1 = passes.end(pass, m);
       if (m1 - m0 <= kStreamed)
         tokens<Type>(p, r, here, first * kGroupRows, m0, m1);
       else

@@ -17,6 +17,7 @@
 
 #include "dot_tiles.h"
 #include "simd_math.h"
+#include "token_passes.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,7 +29,7 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kTokenPass = 256;     // tokens per pass over a task's rows: x stays in L2
+constexpr int64_t kTokenPass = 256;     // most tokens per pass over a task's rows: x stays in L2
 
 #ifdef CONVEYOR_AVX512BF16
 
@@ -113,10 +114,10 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto* wd = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
-  const int64_t passes = (m + kTokenPass - 1) / kTokenPass;
+  const TokenPasses passes(m, kTokenPass);
   const int64_t group_words = pairs * kGroupRows;
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
-  at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> zeros;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
@@ -130,8 +131,8 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
           g[j] = zeros.data();
         }
       }
-      const int64_t end = std::min(m, (pass + 1) * kTokenPass);
-      for (int64_t m0 = pass * kTokenPass; m0 < end; m0 += kMaxTokens) {
+      const int64_t end = passes.end(pass, m);
+      for (int64_t m0 = passes.begin(pass); m0 < end; m0 += kMaxTokens) {
         const int64_t rows = std::min<int64_t>(kMaxTokens, end - m0);
         kDotTokens[rows](xw, pairs, g, here, bd, yd, n, first * kGroupRows, m0);
       }

@@ -26,6 +26,7 @@
 
 #include "gguf_blocks.h"
 #include "simd_math.h"
+#include "token_passes.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,7 +37,9 @@
 #include <vector>
 
 namespace conveyor {
-namespace {
+// Named, not anonymous: kernels.cpp compiles this file in one unit with dot_blocks.cpp, whose
+// internals (Call, Records, run, block_sums, ...) have the same names where AVX512-BF16 is on.
+namespace f32 {
 
 constexpr int64_t kLanes = 8;      // output rows of a lane tile (and of a record)
 constexpr int64_t kGroups = 4;     // lane tiles per task: 32 outputs
@@ -97,19 +100,20 @@ void dense_tokens(const float* x, int64_t k, const float* const g[kGroups], int6
 }
 
 // Calls f(tiles, first, here, m0, m1) for every task: token rows [m0, m1) (a pass of at most
-// kF32Pass) against lane tiles [first, first + here) (at most kGroups, each `tile` elements from
-// w; absent ones point at `zeros`). Tasks run pass-major, so a thread's run of tasks shares
-// x's rows.
+// kF32Pass, all passes alike: TokenPasses) against lane tiles [first, first + here) (at most
+// kGroups, each `tile` elements from w; absent ones point at `zeros`). Tasks run pass-major, so
+// a thread's run of tasks shares x's rows.
 template <class T, class F>
 void for_each_task(const T* w, int64_t tile, int64_t groups, int64_t m, const T* zeros, F&& f) {
-  const int64_t tasks = (groups + kGroups - 1) / kGroups, passes = (m + kF32Pass - 1) / kF32Pass;
-  at::parallel_for(0, passes * tasks, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tasks = (groups + kGroups - 1) / kGroups;
+  const TokenPasses passes(m, kF32Pass);
+  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
       const int64_t here = std::min(kGroups, groups - first);
       const T* g[kGroups];
       for (int64_t j = 0; j < kGroups; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
-      f(g, first, here, pass * kF32Pass, std::min(m, (pass + 1) * kF32Pass));
+      f(g, first, here, passes.begin(pass), passes.end(pass, m));
     }
   });
 }
@@ -316,7 +320,7 @@ std::vector<float> block_sums(const float* x, int64_t m, int64_t blocks) {
 
 #endif  // CONVEYOR_AVX2
 
-}  // namespace
+}  // namespace f32
 
 bool f32_linear_available() {
 #ifdef CONVEYOR_AVX2
@@ -327,6 +331,7 @@ bool f32_linear_available() {
 }
 
 at::Tensor pack_f32_weight(const at::Tensor& w) {
+  using f32::kLanes;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) % kLanes == 0,
               "pack_dot_weight: float32 w must be [out, in], out a multiple of 8, got ", w.sizes());
   // [out/8, 8, in] -> [out/8, in, 8]: each tile's rows become lanes.
@@ -334,8 +339,9 @@ at::Tensor pack_f32_weight(const at::Tensor& w) {
 }
 
 at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type) {
+  using f32::kLanes;
   const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
-  const RecordFormat rf = record_format(type);
+  const f32::RecordFormat rf = f32::record_format(type);
   const int64_t n = raw.size(0), kb = raw.size(1);
   const at::Tensor src = raw.contiguous();
   at::Tensor out = at::zeros({n / kLanes, kb, rf.bytes}, raw.options());
@@ -369,6 +375,7 @@ at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type) {
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias_) {
+  using f32::kLanes;
   TORCH_CHECK(f32_linear_available(), "dot_linear: float32 needs a CPU with AVX2 and FMA");
   const bool blocks = w.scalar_type() == at::kByte;
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() &&
@@ -385,17 +392,17 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
   const float* xd = xc.data_ptr<float>();
   float* yd = y.data_ptr<float>();
   if (!blocks) {
-    dense_linear(xd, w.data_ptr<float>(), bias, yd, m, n, k);
+    f32::dense_linear(xd, w.data_ptr<float>(), bias, yd, m, n, k);
     return y;
   }
-  const int64_t type = type_of_f32_record(w.size(2)), nb = w.size(1);
-  const std::vector<float> sx = type == kQ4_1 ? block_sums(xd, m, nb) : std::vector<float>();
-  const Call p{xd, sx.data(), k, nb, n, bias, yd};
+  const int64_t type = f32::type_of_f32_record(w.size(2)), nb = w.size(1);
+  const std::vector<float> sx = type == kQ4_1 ? f32::block_sums(xd, m, nb) : std::vector<float>();
+  const f32::Call p{xd, sx.data(), k, nb, n, bias, yd};
   const uint8_t* wd = w.data_ptr<uint8_t>();
   switch (type) {
-    case kQ4_0: run<kQ4_0>(p, wd, groups, m); break;
-    case kQ4_1: run<kQ4_1>(p, wd, groups, m); break;
-    default: run<kQ8_0>(p, wd, groups, m); break;
+    case kQ4_0: f32::run<kQ4_0>(p, wd, groups, m); break;
+    case kQ4_1: f32::run<kQ4_1>(p, wd, groups, m); break;
+    default: f32::run<kQ8_0>(p, wd, groups, m); break;
   }
 #endif
   return y;
