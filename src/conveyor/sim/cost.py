@@ -159,7 +159,7 @@ class RooflineCost:
 # (attention), per (query, key) pair of prefill attention (quadratic in the chunk), and per
 # step that computes a prompt chunk: such a step runs the model layer by layer through the
 # chunk path, where a decode-only step takes the runner's fused decode loop (on CPU), so it
-# pays a fixed cost of its own (18-42 ms in two profiles of the default model on a 2-core
+# pays a fixed cost of its own (14-42 ms in the profiles of the default model on a 2-core
 # CPU; the median error of the fit went from 7.8-8.8 % to 6.8-8.3 %).
 TERMS = ("step", "token", "seq", "decode_context", "prefill_attention", "prefill_step")
 
