@@ -153,12 +153,11 @@ def test_int8_kv_counts_the_scales_as_the_engine_lays_them_out() -> None:
     and K/V next to the values, the bytes per token of the engine's own KV layout."""
     import torch
 
-    from conveyor.config import CacheConfig
-    from conveyor.ops.reference import INT8_SCALE_BYTES
+    from conveyor.config import INT8_KV_SCALE_BYTES, CacheConfig
     from conveyor.runner.model_runner import KVCacheLayout
 
     config = model_preset("smollm2-135m")
-    assert KV_SCALE_BYTES["int8"] == INT8_SCALE_BYTES
+    assert KV_SCALE_BYTES["int8"] == INT8_KV_SCALE_BYTES
     plan = plan_capacity(config, device_preset("L4"), FP16, dtype_bytes("int8"), 1000, 1,
                          RESERVE, kv_scale_bytes=KV_SCALE_BYTES["int8"])
     assert plan.kv_bytes_per_token == 30 * 3 * 2 * (64 + 4) == 12_240

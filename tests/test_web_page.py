@@ -1,9 +1,9 @@
 """The web page at / in real browsers against a real `conveyor serve` with the default
 model. Headless chromium (through Playwright): a streamed chat answer, the stop button
 aborting the request on the server, the load button's burst seen batched in the live view,
-every control reached and a question sent and stopped by keyboard, the API key asked once. Headless Firefox (through Marionette): the streamed answer and the
-burst. A failing chromium test leaves a screenshot of the page in its tmp dir (the error
-says where).
+every control reached and a question sent and stopped by keyboard, the API key asked once.
+Headless Firefox (through Marionette): the streamed answer and the burst. A failing chromium
+test leaves a screenshot of the page in its tmp dir (the error says where).
 """
 
 from __future__ import annotations

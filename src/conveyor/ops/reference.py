@@ -50,7 +50,6 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 # kernel (csrc/cpu_ops.cpp): K as [D / 4, bs, 4] (16 positions' 4 consecutive dims in one
 # 64-byte vector), V as [bs / 4, D, 4] (16 dims' 4 consecutive positions in one vector);
 # block_size must be a multiple of 16.
-INT8_SCALE_BYTES = INT8_KV_SCALE_BYTES
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -59,7 +58,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     """(dtype, shape) of one layer's cache, K and V planes first."""
     if kv_cache_dtype == "int8":
         return torch.int8, (2, num_blocks, num_kv_heads,
-                            block_size * (head_dim + INT8_SCALE_BYTES))
+                            block_size * (head_dim + INT8_KV_SCALE_BYTES))
     return model_dtype, (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
@@ -80,7 +79,7 @@ def _int8_views(kv_cache: torch.Tensor, head_dim: int
     D / 4, 4] and V values [blocks, bs / 4, 4, KVH, D] (indexed by block, then position),
     and the K and V scales [blocks, bs, KVH]."""
     _, num_blocks, kvh, width = kv_cache.shape
-    bs = width // (head_dim + INT8_SCALE_BYTES)
+    bs = width // (head_dim + INT8_KV_SCALE_BYTES)
     values = kv_cache[..., :bs * head_dim]
     k = values[0].unflatten(-1, (head_dim // 4, bs, 4)).permute(0, 3, 1, 2, 4)
     v = values[1].unflatten(-1, (bs // 4, head_dim, 4)).permute(0, 2, 4, 1, 3)

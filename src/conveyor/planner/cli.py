@@ -19,8 +19,8 @@ from conveyor.planner.plan import (
     DeviceSpec,
     ParallelPlan,
     dtype_bytes,
+    kv_dtype_scale_bytes,
     kv_heads_per_device,
-    kv_scale_bytes,
     plan_capacity,
     plan_parallel,
 )
@@ -255,7 +255,7 @@ def to_json(name: str, device: DeviceSpec, dtype: str, kv_dtype: str,
 
 
 def _scale_term(kv_dtype: str) -> str:
-    scale = kv_scale_bytes(kv_dtype)
+    scale = kv_dtype_scale_bytes(kv_dtype)
     return f" + {scale} B scale" if scale else ""
 
 
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_capacity(config, device, dtype_bytes(args.dtype, "--dtype"),
                              dtype_bytes(kv_dtype, "--kv-dtype"), args.seq_len, args.batch,
                              parse_activation_reserve(str(args.activation_reserve)),
-                             tp=args.tp, kv_scale_bytes=kv_scale_bytes(kv_dtype))
+                             tp=args.tp, kv_scale_bytes=kv_dtype_scale_bytes(kv_dtype))
         link, link_bytes = resolve_link(args, device)
         par = plan_parallel(config, plan, dtype_bytes(args.dtype), args.replicas, link,
                             link_bytes)

@@ -46,7 +46,7 @@ DTYPE_BYTES: dict[str, int] = {
 KV_SCALE_BYTES: dict[str, int] = {"int8": INT8_KV_SCALE_BYTES}
 
 
-def kv_scale_bytes(kv_dtype: str) -> int:
+def kv_dtype_scale_bytes(kv_dtype: str) -> int:
     """Bytes of scale per token, layer, KV head and K/V of a ``--kv-dtype`` (0: none)."""
     return KV_SCALE_BYTES.get(kv_dtype.lower(), 0)
 
@@ -255,7 +255,7 @@ def plan_capacity(model_config: ModelConfig, device: DeviceSpec, dtype_bytes: in
     ``activation_reserve`` is a fraction of device memory when below 1, else bytes; it is
     held back on every device for activations, workspace and the runtime.
     ``kv_scale_bytes``: a quantized KV cache's scale per token, layer, KV head and K/V
-    (``kv_scale_bytes(kv_dtype)``).
+    (``kv_dtype_scale_bytes(kv_dtype)``).
     """
     _validate(dtype_bytes, kv_dtype_bytes, seq_len, batch)
     check_tensor_parallel(model_config, tp, TP_FLAG)
