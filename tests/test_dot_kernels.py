@@ -87,7 +87,7 @@ def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:
         kops.dot_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                         torch.zeros(16, 64, dtype=torch.bfloat16), None)
     tiles = kops.pack_dot_weight(torch.zeros(16, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match=r"x must be bf16 \[rows, 64\]"):
+    with pytest.raises(RuntimeError, match=r"x must be bf16 or float32 \[rows, 64\], got \[1, 32\]"):
         kops.dot_linear(torch.zeros(1, 32, dtype=torch.bfloat16), tiles, None)
 
 
