@@ -74,6 +74,20 @@ def test_chunked_outputs_without_prefix_caching_equal_each_alone(alone, kv_free)
     kv_free(llm)
 
 
+def test_a_long_prompt_in_one_chunk_equals_it_chunked(kv_free) -> None:
+    """A prompt of ~250 tokens prefilled in one step (a matmul of that many rows, where oneDNN
+    may pick another algorithm than for a small batch: it did for the 1536-input MLP down
+    projection at 150-256 rows on a 2-core AMX Xeon) against 64-token chunks beside decodes."""
+    prompts = [" ".join([PROMPTS[0]] * 6), PROMPTS[1]]
+    llm = _engine()
+    assert len(llm.get_tokenizer().encode(prompts[0])) > 200
+    whole = [_tokens(llm, [p])[0] for p in prompts]
+    chunked = _engine(max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert _tokens(chunked, prompts) == whole
+    kv_free(llm)
+    kv_free(chunked)
+
+
 def test_static_scheduling_gives_the_continuous_outputs(alone, kv_free) -> None:
     llm = _engine(scheduling="static", max_num_seqs=2)
     assert _tokens(llm, PROMPTS) == alone
