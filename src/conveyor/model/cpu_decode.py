@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.attention.metadata import AttentionMetadata
-from conveyor.model.layers import SMALL_ROWS, PackedLinear
+from conveyor.model.layers import PackedLinear
 from conveyor.ops import CpuKernelBackend
 from conveyor.ops.cpu_kernels import DecodeLayersWeights, DecodeShape
 
@@ -32,11 +32,6 @@ class CpuFusedDecode:
         self.model = model
         self.backend = backend
         self.weights = weights
-        # The loop calls oneDNN on the whole batch: with oneDNN-packed weights it takes only
-        # the rows whose bits oneDNN does not change (larger batches: ``forward``, whose
-        # ``PackedLinear`` runs checked passes); the dot kernels take any batch.
-        dense = model.decoder_layers[0].mlp.down_proj
-        self.max_rows = None if isinstance(dense, PackedLinear) and dense.dot else SMALL_ROWS
         cfg = model.config
         self.shape = DecodeShape(cfg.rms_norm_eps, cfg.num_attention_heads,
                                  cfg.num_key_value_heads, cfg.head_dim)
@@ -51,10 +46,6 @@ class CpuFusedDecode:
         assert isinstance(backend, CpuKernelBackend)
         weights = _decode_weights(model)
         return None if weights is None else cls(model, backend, weights)
-
-    def takes(self, rows: int) -> bool:
-        """Whether the loop runs a decode-only batch of ``rows`` rows."""
-        return self.max_rows is None or rows <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

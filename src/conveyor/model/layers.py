@@ -13,16 +13,6 @@ from conveyor.ops import cpu_kernels, reference
 # The dot kernels' block matmul against the bf16 weight's, relative to its largest output: they
 # differ by the weights' rounding to bf16 (~0.4 % each); a wrong layout differs by ~100 %.
 BLOCKS_TOLERANCE = 0.02
-# oneDNN's matmul picks its algorithm by the call's shape: on a 2-core Xeon with AMX it splits
-# the 1536-input reduction of a 150-256-row call differently from a small call's, so a row's
-# bits depended on how many rows shared the call (docs/benchmarks.md). A call of more rows than
-# the small path takes (SMALL_ROWS: the GGUF block kernel, which sums every input in order)
-# runs in passes of the sizes below that give every row the small path's bits, checked once
-# per weight shape (``PackedLinear.check_row_passes``); the rest in even passes of at most
-# SMALL_ROWS.
-SMALL_ROWS = 64
-PASS_ROWS = (2048, 1024, 512, 256, 128)
-_checked_passes: dict[tuple[int, int, torch.dtype, bool, int], tuple[int, ...]] = {}
 
 
 class PackedLinear(nn.Module):
@@ -38,9 +28,10 @@ class PackedLinear(nn.Module):
       wants, which makes the small-batch matmuls of a decode step ~1.4x faster with
       bit-identical bf16 results. With ``use_blocks`` (AMX), batches of up to
       ``quantized_linear_max_rows`` rows read the GGUF blocks (``ops.quantized_linear``), which
-      gives oneDNN's bits from a third to half of the bytes. Larger batches run in passes
-      whose sizes were checked to give each row those bits (``check_row_passes``): oneDNN's
-      algorithm, and with it a row's last bits, changes with the number of rows.
+      gives oneDNN's bits from a third to half of the bytes. Larger batches run oneDNN in one
+      call where that gives each row the bits of smaller calls, else in halves: oneDNN's
+      algorithm, and with it a row's last bits, changes with the number of rows (checked per
+      row count at its first call, ``linear`` in ``csrc/cpu_ops.cpp``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -48,6 +39,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.dot = dot_matmuls(weight)
+        self.kernels = self.dot or cpu_kernels.load_cpu_kernels()
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
         # float32 lane tiles hold 8 rows: an LM head of another vocabulary size gets zero rows
@@ -62,42 +54,15 @@ class PackedLinear(nn.Module):
                        else torch.ops.mkldnn._reorder_linear_weight(weight, 1))
         self.bias = bias
         self.blocks: torch.Tensor | None = None  # ops.pack_block_weights or pack_dot_blocks
-        self.pass_rows: tuple[int, ...] = ()  # check_row_passes
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dot or x.shape[0] <= SMALL_ROWS:
-            return self._call(x)
-        passes = row_passes(x.shape[0], self.pass_rows)
-        if len(passes) == 1:
-            return self._call(x)
-        return torch.cat([self._call(x[start:stop]) for start, stop in passes])
-
-    def _call(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None or self.dot:  # C++ picks the kernel and the weight's form
+        if self.kernels:  # C++ picks the kernel, the weight's form and how to split rows
             return self._cut(cpu_kernels.linear(x, self.packed, self.blocks, self.bias))
         return self.dense(x)
-
-    def check_row_passes(self) -> None:
-        """Find the pass sizes (of ``PASS_ROWS``) in which oneDNN gives every row the bits
-        the small path gives it, on random inputs; once per weight shape and thread count
-        (the algorithm oneDNN picks depends on them, not on the values). The dot kernels
-        give every row the same bits at every batch size: nothing to check."""
-        if self.dot:
-            return
-        key = (self.out_features, self.in_features, self.dtype, self.blocks is not None,
-               torch.get_num_threads())
-        if key not in _checked_passes:
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(PASS_ROWS[0], self.in_features, generator=gen).to(self.dtype)
-            small = torch.cat([self._call(x[start:stop])
-                               for start, stop in row_passes(len(x), ())])
-            _checked_passes[key] = tuple(rows for rows in PASS_ROWS
-                                         if torch.equal(self._call(x[:rows]), small[:rows]))
-        self.pass_rows = _checked_passes[key]
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul on the bf16 (or float) weight, whatever the batch size."""
@@ -144,22 +109,6 @@ class PackedLinear(nn.Module):
                     return False
         self.blocks = blocks
         return True
-
-
-def row_passes(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """[start, stop) of each pass of a ``rows``-row matmul: as many of ``sizes`` (largest
-    first) as fit, then the rest in the fewest passes of at most ``SMALL_ROWS``, all alike."""
-    passes: list[tuple[int, int]] = []
-    start = 0
-    for size in sorted(sizes, reverse=True):
-        while rows - start >= size:
-            passes.append((start, start + size))
-            start += size
-    rest = rows - start
-    count = -(-rest // SMALL_ROWS)
-    passes += [(start + rest * i // count, start + rest * (i + 1) // count)
-               for i in range(count)]
-    return passes
 
 
 def dot_matmuls(weight: torch.Tensor) -> bool:

@@ -140,9 +140,8 @@ class CausalLM(nn.Module):
         """One engine step's hidden states [T, hidden]: a decode-only batch through the
         backend's fused decode loop where it runs this model (``model/cpu_decode.py``), any
         other batch through ``forward``."""
-        fused = self._fused_decode
-        if fused is not None and not meta.prefills and fused.takes(input_ids.shape[0]):
-            return fused(input_ids, positions, kv_caches, meta)
+        if self._fused_decode is not None and not meta.prefills:
+            return self._fused_decode(input_ids, positions, kv_caches, meta)
         return self(input_ids, positions, kv_caches, meta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -238,14 +237,6 @@ class CausalLM(nn.Module):
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,
                                     None)
         self._weights_changed()
-
-    def check_row_passes(self) -> None:
-        """Let every packed matmul run large batches in passes of the sizes that keep each
-        row's bits (``PackedLinear.check_row_passes``); call after its blocks are set. Until
-        then a large batch runs in passes of at most ``layers.SMALL_ROWS`` rows."""
-        for linear in [*self._layer_linears(), self.lm_head]:
-            if isinstance(linear, PackedLinear):
-                linear.check_row_passes()
 
     def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
         """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
@@ -368,7 +359,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             if used:
                 logger.info("%d of %d matmuls read their GGUF blocks in decode steps", used,
                             len(model.matmul_layers()))
-        model.check_row_passes()
     return model
 
 

@@ -19,6 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1209,17 +1212,63 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
 
-// The matmul of a layer's weight, by the weight's layout. oneDNN-packed (MkldnnCPU): from the
-// GGUF blocks when it has them and the batch is small (quant_linear.cpp, AMX: bit-identical,
-// fewer bytes read), else oneDNN, whose larger batches are compute-bound. Pair tiles
-// (pack_dot_weight; CPUs with AVX512-BF16 and no AMX): dot_linear at every batch size, from
-// the blocks when it has them, so a row's result never depends on the batch (dot_linear.cpp).
+// A oneDNN-packed matmul of at most kQuantizedMaxRows rows: from the GGUF blocks when it has
+// them (quant_linear.cpp, AMX: bit-identical, fewer bytes read), else oneDNN.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,
+                        const std::optional<at::Tensor>& blocks,
+                        const std::optional<at::Tensor>& b) {
+  if (blocks.has_value() && x.size(0) >= 1) return conveyor::quantized_linear(x, *blocks, b);
+  return packed_linear(x, packed, b);
+}
+
+// oneDNN picks its algorithm by the call's shape and thread count, and with it a row's last
+// bits: on a 2-core AMX Xeon its bf16 matmul with 1536 inputs and 576 outputs gave other bits
+// at 150-256 rows than at 1-149 or 257-2048, so a row's result depended on its batch. So the
+// first call of each row count M > kQuantizedMaxRows for a weight shape (and thread count)
+// also computes the rows in two halves (each one a call of this function, down to small
+// calls) and keeps oneDNN's one call for that M only if it gave every row the same bits; else
+// that M always runs as halves. The verdict is per shape, so the model's 30 layers share it.
+using RowsKey = std::tuple<int64_t, int64_t, bool, int, int64_t>;  // N, K, blocks, threads, M
+std::mutex one_call_mutex;
+std::map<RowsKey, bool>& one_call_verdicts() {
+  static std::map<RowsKey, bool> verdicts;
+  return verdicts;
+}
+
+at::Tensor large_linear(const at::Tensor& x, const at::Tensor& packed,
+                        const std::optional<at::Tensor>& blocks,
+                        const std::optional<at::Tensor>& b) {
+  const int64_t rows = x.size(0);
+  if (rows <= conveyor::kQuantizedMaxRows) return small_linear(x, packed, blocks, b);
+  const RowsKey key{packed.size(0), packed.size(1), blocks.has_value(), at::get_num_threads(),
+                    rows};
+  std::optional<bool> one_call;
+  {
+    const std::lock_guard<std::mutex> lock(one_call_mutex);
+    const auto found = one_call_verdicts().find(key);
+    if (found != one_call_verdicts().end()) one_call = found->second;
+  }
+  if (one_call.value_or(false)) return packed_linear(x, packed, b);
+  const int64_t half = rows / 2;
+  at::Tensor y = at::cat({large_linear(x.narrow(0, 0, half), packed, blocks, b),
+                          large_linear(x.narrow(0, half, rows - half), packed, blocks, b)});
+  if (!one_call.has_value()) {
+    const bool same = at::equal(packed_linear(x, packed, b), y);
+    const std::lock_guard<std::mutex> lock(one_call_mutex);
+    one_call_verdicts()[key] = same;
+  }
+  return y;
+}
+
+// The matmul of a layer's weight, by the weight's layout. oneDNN-packed (MkldnnCPU): small
+// batches from the GGUF blocks when it has them, larger ones as oneDNN keeps each row's bits
+// (above). Pair tiles (pack_dot_weight; CPUs with AVX512-BF16 and no AMX) or lane tiles
+// (float32): dot_linear at every batch size, from the blocks when it has them, so a row's
+// result never depends on the batch (dot_linear.cpp).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& b) {
   if (!packed.is_mkldnn()) return conveyor::dot_linear(x, blocks.has_value() ? *blocks : packed, b);
-  if (blocks.has_value() && x.size(0) >= 1 && x.size(0) <= conveyor::kQuantizedMaxRows)
-    return conveyor::quantized_linear(x, *blocks, b);
-  return packed_linear(x, packed, b);
+  return large_linear(x, packed, blocks, b);
 }
 
 using Blocks = c10::List<std::optional<at::Tensor>>;  // per layer: GGUF blocks or None
