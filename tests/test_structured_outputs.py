@@ -8,6 +8,7 @@ a stream, cut anywhere, reassembles to the whole answer.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 
@@ -124,6 +125,23 @@ def test_max_tokens_mid_structure_is_length(llm) -> None:
 # llguidance's per-step limit (50,000), so llguidance gives up on it while generating.
 FUEL_GRAMMAR = "start: r0\n" + "".join(f'r{i}: r{i} r{i} | r{i + 1} | "a" | "#"\n'
                                        for i in range(10)) + 'r10: "b"'
+
+
+def test_filling_masks_starts_no_second_openmp_team(default_llm, kv_free) -> None:
+    """The masks are filled on a thread of their own: a torch op there large enough to run
+    in parallel (32 rows x 1,536 words of the default model's vocabulary) started a second
+    OpenMP team beside the step loop's, one more thread than cores, and libgomp then stops
+    spinning between parallel regions: every later step ran ~1.7x slower on 2 cores, free
+    requests included. Filling 32 rows must start no thread the first fill did not."""
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no", "maybe"]))
+    default_llm.generate(PROMPTS[:1], params)  # the mask thread and llguidance's pool
+    before = threads()
+    outputs = default_llm.generate(PROMPTS[:1] * 32, params)
+    assert {o.outputs[0].text for o in outputs} <= {"yes", "no", "maybe"}
+    assert threads() <= before
+    kv_free(default_llm)
 
 
 def test_grammar_out_of_fuel_ends_with_error_alone(default_llm, kv_free) -> None:

@@ -43,28 +43,34 @@ class BitmaskFiller:
     def fill(self, matchers: list[llguidance.LLMatcher], drafts: list[list[int]]
              ) -> torch.Tensor:
         offsets = np.cumsum([0] + [len(d) + 1 for d in drafts]).tolist()
-        bitmask = torch.full((offsets[-1], self.num_words), -1, dtype=torch.int32)
-        # llguidance's numpy entry point writes into the tensor's memory (its torch module
-        # would import torch._dynamo, ~4 s, for a torch.compile this engine does not use).
+        # numpy only on this thread: a torch op large enough to run in parallel would start
+        # a second OpenMP team beside the step loop's, and with more OpenMP threads than
+        # cores libgomp stops spinning between parallel regions, so every later kernel call
+        # of the step loop waits for its workers to wake (free requests ran 1.7x slower
+        # after 64 constrained ones on 2 cores).
+        bitmask = np.full((offsets[-1], self.num_words), -1, dtype=np.int32)
+        # llguidance's numpy entry point (its torch module would import torch._dynamo, ~4 s,
+        # for a torch.compile this engine does not use).
         firsts = list(zip(matchers, offsets, drafts, strict=False))  # (offsets: one more)
         plain = [(m, first) for m, first, d in firsts if not d]
         drafted = [(m, first, d) for m, first, d in firsts if d]
         if plain:
-            llg_numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask.numpy())
+            llg_numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:
             llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted,
-                                                                     bitmask.numpy())
+                                                                     bitmask)
+        words = bitmask.view(np.uint32)
         for i, m in enumerate(matchers):
             if m.is_error():  # llguidance ran out of fuel or was fed a token it refused:
                 logger.warning("grammar matcher failed, ending its request: %s",
                                m.get_error())
                 # EOS only, a placeholder: the runner reports the error and the engine ends
                 # the request with finish_reason "error", dropping the token
-                rows = bitmask[offsets[i]:offsets[i + 1]]
-                rows.zero_()
+                rows = words[offsets[i]:offsets[i + 1]]
+                rows[:] = 0
                 for t in self.eos_token_ids:
-                    rows[:, t // BITS] |= 1 << (t % BITS)
-        return bitmask
+                    rows[:, t // BITS] |= np.uint32(1 << (t % BITS))
+        return torch.from_numpy(bitmask)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
