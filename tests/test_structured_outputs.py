@@ -290,3 +290,34 @@ def test_grammar_cache_counts_each_request_once(llm) -> None:
     assert after.grammar_compiles - before.grammar_compiles == 1
     assert after.grammar_cache_hits - before.grammar_cache_hits == 2
     assert after.grammar_compile_seconds > before.grammar_compile_seconds
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_mask_kernel_bans_what_the_numpy_path_bans(monkeypatch, dtype) -> None:
+    """``apply_token_bitmask`` on the host: the C++ kernel where the kernels load, numpy
+    otherwise; both give -inf to every token whose bit is clear (the tokens past the mask's
+    words too) in the rows named, and leave every other logit as it was."""
+    import numpy as np
+    import torch
+
+    from conveyor.ops import cpu_kernels
+    from conveyor.structured import bitmask as bitmask_module
+
+    rng = np.random.default_rng(0)
+    vocab, words, rows = 1000, 30, [4, 0, 2]  # 960 tokens masked, 40 past the words
+    mask = rng.integers(-2**31, 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
+    mask[0, :] = -1  # one row all allowed (but its tokens past the words)
+    logits = torch.randn(6, vocab).to(getattr(torch, dtype))
+    expected = logits.clone()
+    allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    for i, row in enumerate(rows):
+        banned = np.ones(vocab, dtype=bool)
+        banned[:words * 32] = ~allowed[i]
+        expected[row, torch.from_numpy(banned)] = float("-inf")
+    assert cpu_kernels.load_cpu_kernels()
+    kernel = logits.clone()
+    bitmask_module.apply_token_bitmask(kernel, torch.from_numpy(mask), rows)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: False)
+    plain = logits.clone()
+    bitmask_module.apply_token_bitmask(plain, torch.from_numpy(mask), rows)
+    assert torch.equal(kernel, expected) and torch.equal(plain, expected)

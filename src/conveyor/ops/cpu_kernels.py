@@ -178,6 +178,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.conveyor.argmax(logits)
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+                         ) -> None:
+    """-inf for every token of ``logits[rows[i]]`` whose bit in ``bitmask[i]`` is clear."""
+    torch.ops.conveyor.apply_token_bitmask_(logits, bitmask, rows)
+
+
 # ---------------------------------------------------------------- matmuls (PackedLinear)
 
 def linear(x: torch.Tensor, packed: torch.Tensor, blocks: torch.Tensor | None,

@@ -20,6 +20,8 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
+from conveyor.ops import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 BITS = 32  # tokens per int32 word of the bitmask
@@ -81,9 +83,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
     logits: [S, V] (V may exceed the tokenizer's vocabulary: padding tokens are disallowed);
     bitmask: [len(rows), W] int32 on the host, bit t % 32 of word t // 32 set = token t allowed.
-    On the host the rows are written through numpy (single-threaded, ~0.1 ms a row): torch's
-    parallel element-wise ops on a busy machine cost tens of ms for these small tensors.
+    On the host: the C++ kernel (~1 us a row), else numpy (single-threaded, ~25 us a row):
+    torch's parallel element-wise ops on a busy machine cost tens of ms for these small
+    tensors.
     """
+    if (logits.device.type == "cpu" and logits.is_contiguous()
+            and cpu_kernels.load_cpu_kernels()):
+        cpu_kernels.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+        return
     vocab = logits.shape[1]
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
     banned = np.ones((len(rows), vocab), dtype=bool)

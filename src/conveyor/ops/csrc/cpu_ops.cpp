@@ -15,6 +15,7 @@
 #include "quant_linear.h"
 #include "simd_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1200,6 +1201,47 @@ at::Tensor argmax(const at::Tensor& logits) {
   return out;
 }
 
+// Structured outputs: token t of logits row rows[i] stays only if bit t % 32 of word t / 32 of
+// bitmask row i is set, else becomes -inf (tokens past the mask's words too). One pass over
+// the mask's words, skipping the all-allowed ones: ~1 us a row, where numpy's unpacking and
+// masked writes took ~25 us (a constrained step's 64 rows: 1.7 ms, serial after the forward).
+template <typename T>
+void apply_token_bitmask_impl(at::Tensor& logits, const at::Tensor& bitmask,
+                              const at::Tensor& rows) {
+  const int64_t vocab = logits.size(1), words = bitmask.size(1);
+  const T neg_inf = T(-std::numeric_limits<float>::infinity());
+  const auto* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const auto* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    T* out = logits.data_ptr<T>() + row_ids[i] * vocab;
+    const uint32_t* bits = mask + i * words;
+    for (int64_t w = 0; w * 32 < vocab; ++w) {
+      const uint32_t word = w < words ? bits[w] : 0u;
+      if (word == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+      for (int64_t b = 0; b < end; ++b)
+        if (!((word >> b) & 1u)) out[w * 32 + b] = neg_inf;
+    }
+  }
+}
+
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(),
+              "apply_token_bitmask_: logits must be contiguous [rows, vocab]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
+                  bitmask.is_contiguous() && rows.dim() == 1 &&
+                  rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "apply_token_bitmask_: bitmask must be int32 [len(rows), words], rows int64");
+  const int64_t n = logits.size(0);
+  const auto* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < n, "apply_token_bitmask_: row ", row_ids[i],
+                " out of range for ", n, " rows");
+  CONVEYOR_DISPATCH(logits.scalar_type(), "apply_token_bitmask_",
+                    [&] { apply_token_bitmask_impl<scalar_t>(logits, bitmask, rows); });
+}
+
 // ------------------------------------------------------------------ the decode loop
 // y = x W^T + b with W pre-packed by oneDNN (conveyor.model.layers.PackedLinear).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
@@ -1337,6 +1379,7 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("write_decode_attention_(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor q, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("linear(Tensor x, Tensor packed, Tensor? blocks, Tensor? bias) -> Tensor", &linear);
   // For every backend: its weights are oneDNN-packed (MkldnnCPU) or pair tiles (dot_linear).
   m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
@@ -1358,4 +1401,5 @@ TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("write_decode_attention_", &write_decode_attention_);
   m.impl("argmax", &argmax);
+  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
 }
