@@ -4,8 +4,8 @@
 # has no time to drift between the profile and what it predicts (~17 minutes on 2 cores).
 # Usage: sim_validation_sitting.sh OUT_DIR   (tables at the end of OUT_DIR/low.log, high.log)
 set -u
+HERE=$(dirname "$(readlink -f "$0")")  # before the cd: $0 may be a relative path
 OUT=$1; mkdir -p "$OUT"; cd "$OUT" || exit 1
-HERE=$(dirname "$(readlink -f "$0")")
 echo "start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
 conveyor bench profile --output smollm2.json --kv-cache-memory 2GiB > profile.log 2>&1
 echo "profile done $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
