@@ -14,6 +14,7 @@
 
 #include "quant_linear.h"
 #include "simd_math.h"
+#include "token_passes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -1297,15 +1298,16 @@ at::Tensor large_linear(const at::Tensor& x, const at::Tensor& packed,
     return at::cat({large_linear(x.narrow(0, 0, half), packed, blocks, b),
                     large_linear(x.narrow(0, half, rows - half), packed, blocks, b)});
   }
-  // The first call of this row count: small calls (even passes of at most
-  // kQuantizedMaxRows), and oneDNN's one call to compare with them.
-  const int64_t count = (rows + conveyor::kQuantizedMaxRows - 1) / conveyor::kQuantizedMaxRows;
-  std::vector<at::Tensor> passes;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t start = rows * i / count, stop = rows * (i + 1) / count;
-    passes.push_back(small_linear(x.narrow(0, start, stop - start), packed, blocks, b));
+  // The first call of this row count: small calls (the fewest passes of at most
+  // kQuantizedMaxRows, all alike), and oneDNN's one call to compare with them.
+  const conveyor::TokenPasses passes(rows, conveyor::kQuantizedMaxRows);
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < passes.count; ++i) {
+    const int64_t start = passes.begin(i);
+    parts.push_back(small_linear(x.narrow(0, start, passes.end(i, rows) - start), packed,
+                                 blocks, b));
   }
-  at::Tensor y = at::cat(passes);
+  at::Tensor y = at::cat(parts);
   const bool same = at::equal(packed_linear(x, packed, b), y);
   const std::lock_guard<std::mutex> lock(one_call_mutex);
   one_call_verdicts()[key] = same;
