@@ -216,6 +216,16 @@ def test_build_app_on_a_running_cluster_with_pow2_routing(replicas: ServerProces
         serve.delete("pow2")
 
 
+def test_a_signal_as_soon_as_the_endpoint_answers_is_a_clean_shutdown(chat_model: Path) -> None:
+    """SIGTERM the moment /health answers (Serve's proxy answers before the driver returns
+    from serve.run): a graceful stop, exit 0, not Ray's driver handler's status 15. On a Ray
+    cluster of its own (no --ray-address), one replica."""
+    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    server = start_server("--model", str(chat_model), *flags, "--replicas", "1")
+    assert server.stop() == 0, server.log_tail()
+    server.remove_log()
+
+
 def test_a_ray_address_where_no_cluster_answers_is_a_clear_error() -> None:
     main = "import sys; from conveyor.cli import main; sys.exit(main(sys.argv[1:]))"
     address = f"127.0.0.1:{free_port()}"

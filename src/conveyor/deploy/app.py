@@ -64,6 +64,10 @@ def serve_replicas(engine_args: EngineArgs, server_config: ServerConfig,
     """`conveyor serve --replicas N`: start (or join) Ray, run the app, serve until
     SIGTERM/SIGINT, then shut Serve down (in-flight requests get `shutdown_timeout`)."""
     _init_ray(deploy_config.ray_address)
+    # Caught from here on (after ray.init, whose driver handler would exit with status 15):
+    # the endpoint answers before serve.run returns, and a signal in that window still shuts
+    # down cleanly once it has.
+    stop = _stop_on_signal()
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(build_app(engine_args, server_config, deploy_config), name=APP_NAME,
@@ -71,7 +75,8 @@ def serve_replicas(engine_args: EngineArgs, server_config: ServerConfig,
         logger.info("conveyor serving %d replicas (%s routing) on http://%s:%d",
                     deploy_config.replicas, deploy_config.routing, server_config.host,
                     server_config.port)
-        _wait_for_signal()
+        while not stop.wait(0.5):
+            pass
         logger.info("shutting down: in-flight requests get up to %g s to finish",
                     server_config.shutdown_timeout)
         serve.shutdown()
@@ -91,9 +96,9 @@ def _init_ray(address: str | None) -> None:
         raise ValueError(f"--ray-address {address}: {e}") from e
 
 
-def _wait_for_signal() -> None:
+def _stop_on_signal() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+    return stop
