@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from conftest_models import default_gguf
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, ops
+from conveyor.ops.reference import is_tiles
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle on a "
@@ -55,6 +57,15 @@ def reference() -> tuple[list[Output], int]:
 @pytest.fixture(scope="module")
 def alone(reference) -> list[Output]:
     return reference[0]
+
+
+def test_the_cache_takes_the_tile_layout_where_the_cpu_has_amx() -> None:
+    """bf16 on a CPU with AMX: the KV cache in the tile layout, which decode attention reads
+    in place (rows elsewhere), so the tests here run on the layout this CPU serves with."""
+    llm = _engine()
+    tiles = llm.engine.dtype == torch.bfloat16 and ops.amx_available()
+    assert llm.engine.kv_layout.tiles == tiles
+    assert is_tiles(llm.engine.runner.kv_caches[0]) == tiles
 
 
 def test_batched_and_prefix_cached_outputs_equal_each_alone(alone, kv_free) -> None:

@@ -144,6 +144,88 @@ def test_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, hea
     torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2)
 
 
+def _qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model passes them: strided views into fused bf16 qkv rows."""
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    return q, k, v
+
+
+def _tiles_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    element, shape = reference.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim, "auto",
+                                              torch.bfloat16, tiles=True)
+    return torch.zeros(shape, dtype=element)
+
+
+@pytest.mark.parametrize("kv_heads,head_dim,block_size", [(3, 64, 16), (2, 128, 32), (1, 32, 16)])
+def test_the_tile_layout_holds_what_the_row_layout_holds(kernels, kv_heads, head_dim,
+                                                         block_size) -> None:
+    """A tile-layout cache (reference.is_tiles) written by the kernel and by the reference:
+    the same bytes; read back (read_kv_, both) and gathered (gather_kv), the rows written."""
+    gen = torch.Generator().manual_seed(kv_heads * head_dim)
+    num_blocks = 12
+    rows = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    tiles = _tiles_cache(num_blocks, block_size, kv_heads, head_dim)
+    assert reference.is_tiles(tiles) and not reference.is_tiles(rows)
+    written = tiles.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:100]
+    _, k, v = _qkv_views(len(slots), 4 * kv_heads, kv_heads, head_dim, gen)
+    reference.write_kv_(k, v, rows, slots)
+    reference.write_kv_(k, v, tiles, slots)
+    kernels.write_kv_(k, v, written, slots)
+    assert torch.equal(written, tiles)
+    tables = torch.randperm(num_blocks, generator=gen).view(3, 4)
+    for got, want in zip(reference.gather_kv(tiles, tables, head_dim, torch.bfloat16),
+                         reference.gather_kv(rows, tables, head_dim, torch.bfloat16),
+                         strict=True):
+        assert torch.equal(got, want)
+    for read in (kernels.read_kv_, reference.read_kv_):
+        k_read, v_read = torch.zeros_like(k), torch.zeros_like(v)
+        read(k_read, v_read, tiles, slots)
+        assert torch.equal(k_read, k) and torch.equal(v_read, v)
+
+
+@pytest.fixture(scope="module")
+def amx_kernels(kernels):
+    if not ops.amx_available():
+        pytest.skip("decode attention over the tile layout runs on AMX tiles; this CPU has none")
+    return kernels
+
+
+def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(amx_kernels) -> None:
+    """decode_attention over a tile-layout cache: as close to the reference as the row-layout
+    kernel, and the same bits for a row alone, beside other requests and among a verify's
+    rows (consecutive rows sharing a request's blocks, lengths L, L+1, ...)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 60
+    rows = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    tiles = _tiles_cache(num_blocks, block_size, kv_heads, head_dim)
+    everything = torch.arange(num_blocks * block_size)
+    _, k, v = _qkv_views(len(everything), heads, kv_heads, head_dim, gen)
+    reference.write_kv_(k, v, rows, everything)
+    amx_kernels.write_kv_(k, v, tiles, everything)
+    lens = torch.tensor([1, 16, 17, 100, 101, 102, 103, 203, 300])
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    tables[4:7] = tables[3]  # a verify: rows 3-6 are one request's last token and 3 drafts
+    q, _, _ = _qkv_views(len(lens), heads, kv_heads, head_dim, gen)
+    scale = head_dim ** -0.5
+    out = amx_kernels.decode_attention(q, tiles, tables, lens, scale)
+    expected = reference.decode_attention(q, rows, tables, lens, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    row_layout = amx_kernels.decode_attention(q, rows, tables, lens, scale)
+    assert (out - expected).abs().max() <= (row_layout - expected).abs().max() * 2
+    for i in range(len(lens)):
+        alone = amx_kernels.decode_attention(q[i:i + 1], tiles, tables[i:i + 1], lens[i:i + 1],
+                                             scale)
+        assert torch.equal(alone, out[i:i + 1])
+    verify = amx_kernels.decode_attention(q[3:7], tiles, tables[3:7], lens[3:7], scale)
+    assert torch.equal(verify, out[3:7])
+
+
 def test_kernels_refuse_out_of_range_indices(kernels) -> None:
     cache = torch.zeros(2, 4, 16, 1, 64)
     q = torch.zeros(1, 1, 64)
@@ -184,7 +266,7 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
 
 
 @pytest.mark.parametrize("arch_overrides,kv_dtype", [({}, "auto"), ({"attention_bias": True}, "auto"),
-                                                    ({}, "int8")])
+                                                    ({}, "int8"), ({}, "tiles")])
 def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype) -> None:
     """ops.decode_layers (model/cpu_decode.py) runs every layer of a decode-only batch in one
     C++ call: it must give bit-identical hidden states and KV writes to the layer-by-layer
@@ -196,14 +278,19 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
     from conveyor.model.llama import build_model
 
     dtype = resolve_dtype("auto", torch.device("cpu"))
+    tiles = kv_dtype == "tiles"  # the tile layout: bf16 with AMX, head_dim 32, blocks of 16
+    if tiles and not (dtype == torch.bfloat16 and ops.amx_available()):
+        pytest.skip("the tile-layout cache is read by AMX tiles; this CPU has none")
 
     cfg = ModelConfig(architecture="qwen2" if arch_overrides else "llama", vocab_size=300,
-                      hidden_size=96, intermediate_size=160, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, **arch_overrides)
+                      hidden_size=96 * (1 + tiles), intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16 * (1 + tiles),
+                      **arch_overrides)
     model = build_model(cfg, dtype, torch.device("cpu"), None, seed=1)
-    block_size, num_blocks = 4, 16
+    block_size, num_blocks = (16 if tiles else 4), 16
     element, shape = reference.kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads,
-                                              cfg.head_dim, kv_dtype, dtype)
+                                              cfg.head_dim, "auto" if tiles else kv_dtype, dtype,
+                                              tiles)
     kv = torch.zeros(cfg.num_hidden_layers, *shape, dtype=element)
     tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
     lens = [9, 6]  # prompt lengths; each request then decodes one token

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 from conveyor.config import INT8_KV_SCALE_BYTES
 from conveyor.ops import OpsBackend
-from conveyor.ops.reference import gather_kv
+from conveyor.ops.reference import gather_kv, is_tiles
 
 
 def paged_attention(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,8 +90,10 @@ def _block_table(chunk: PrefillChunk, meta: AttentionMetadata, kv_cache: torch.T
     1, ..., so every block_size-th of its slots (just written) names its next block."""
     if chunk.block_table is not None:
         return chunk.block_table
-    block_size = (kv_cache.shape[3] // (head_dim + INT8_KV_SCALE_BYTES)
-                  if kv_cache.dtype == torch.int8 else kv_cache.shape[2])
+    if kv_cache.dtype == torch.int8:
+        block_size = kv_cache.shape[3] // (head_dim + INT8_KV_SCALE_BYTES)
+    else:
+        block_size = kv_cache.shape[3] // head_dim if is_tiles(kv_cache) else kv_cache.shape[2]
     first = meta.slot_mapping[chunk.query_start:chunk.query_start + chunk.query_len:block_size]
     return first // block_size
 

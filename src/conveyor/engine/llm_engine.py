@@ -32,6 +32,7 @@ from conveyor.model.device import resolve_device, resolve_dtype
 from conveyor.model.llama import CausalLM, load_model
 from conveyor.model.loader import Checkpoint, load_checkpoint
 from conveyor.model.parallel import ShardPlan, check_tensor_parallel
+from conveyor.ops import select_backend
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.cuda_graphs import CudaGraphSpec
@@ -86,7 +87,8 @@ class LLMEngine:
         self.kv_layout = KVCacheLayout.from_budget(
             ShardPlan(self.model_config, 0, tp_size).cache_config() if tp_size > 1
             else self.model_config, cache_config, self.dtype, swap=sched.preemption == "swap",
-            draft=draft.config if draft is not None else None)
+            draft=draft.config if draft is not None else None,
+            tiles=select_backend(self.device, self.dtype).kv_cache_tiles)
         kv_manager = KVCacheManager(
             self.kv_layout.num_blocks, cache_config.block_size,
             cache_config.enable_prefix_caching, self.kv_layout.num_swap_blocks,

@@ -60,6 +60,11 @@ class OpsBackend(Protocol):
         ``step_attention`` kernel where there is one); False: it gathers them."""
 
     @property
+    def kv_cache_tiles(self) -> bool:
+        """A cache in the model's dtype may take the tile layout (``reference.is_tiles``:
+        stored as the AMX products read it), which every op here reads and writes."""
+
+    @property
     def step_attention(self) -> PagedAttentionFn | None:
         """A kernel that runs a whole step's paged attention (the K/V writes, decodes and
         prefill chunks, reading the blocks in place) in place of ``attention/paged.py``'s
@@ -119,6 +124,7 @@ class ReferenceBackend:
     prefill_attention_kernel = False
     prefill_rows_as_decodes = False
     paged_attention_in_place = False
+    kv_cache_tiles = False  # the reference reads and writes it, but nothing gains from it
     step_attention: PagedAttentionFn | None = None
 
     rms_norm = staticmethod(reference.rms_norm)
@@ -172,6 +178,9 @@ class CpuKernelBackend:
         # float32 has no prefill attention kernel, and SDPA's blocking makes a query's result
         # depend on its chunk: every row attends as its decode would (docs/benchmarks.md).
         self.prefill_rows_as_decodes = dtype == torch.float32
+        # With AMX, decode attention reads a bf16 cache stored for its tiles: no step repacks
+        # the K/V, and a verify's rows share each read (docs/benchmarks.md, issue 11).
+        self.kv_cache_tiles = dtype == torch.bfloat16 and cpu_kernels.amx_available()
 
     rms_norm = staticmethod(cpu_kernels.rms_norm)
     add_rms_norm_ = staticmethod(cpu_kernels.add_rms_norm_)

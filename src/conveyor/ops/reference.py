@@ -52,14 +52,39 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 # block_size must be a multiple of 16.
 
 
+# A tile-layout cache (bf16 where the CPU has AMX: ``OpsBackend.kv_cache_tiles``) is
+# [2, blocks, KVH, bs * D] in the model's dtype: each (plane, block, KV head) owns a head-block
+# laid out as the AMX products read it, so that no step repacks the cache (csrc/cpu_ops.cpp):
+# K, per 16 positions, as K^T in pairs of dims: [bs / 16, D / 32, 16 dim pairs, 16 positions,
+# 2]; V in pairs of positions: [bs / 2, D, 2]. block_size must be a multiple of 16 and D of 32.
+
+
+def is_tiles(kv_cache: torch.Tensor) -> bool:
+    """Whether one layer's cache has the tile layout (above)."""
+    return kv_cache.dim() == 4 and kv_cache.dtype != torch.int8
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   kv_cache_dtype: str, model_dtype: torch.dtype
+                   kv_cache_dtype: str, model_dtype: torch.dtype, tiles: bool = False
                    ) -> tuple[torch.dtype, tuple[int, ...]]:
-    """(dtype, shape) of one layer's cache, K and V planes first."""
+    """(dtype, shape) of one layer's cache, K and V planes first (``tiles``: the tile
+    layout, for a cache in the model's dtype)."""
     if kv_cache_dtype == "int8":
         return torch.int8, (2, num_blocks, num_kv_heads,
                             block_size * (head_dim + INT8_KV_SCALE_BYTES))
+    if tiles:
+        return model_dtype, (2, num_blocks, num_kv_heads, block_size * head_dim)
     return model_dtype, (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def _tiles_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a tile-layout cache [2, blocks, KVH, bs * D]: K [blocks, bs / 16, 16, KVH,
+    D / 32, 16, 2] and V [blocks, bs / 2, 2, KVH, D] (block, then position, then KV head)."""
+    bs = kv_cache.shape[-1] // head_dim
+    k = kv_cache[0].unflatten(-1, (bs // 16, head_dim // 32, 16, 16, 2)).permute(
+        0, 2, 5, 1, 3, 4, 6)
+    v = kv_cache[1].unflatten(-1, (bs // 2, head_dim, 2)).permute(0, 2, 4, 1, 3)
+    return k, v
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +115,19 @@ def _int8_views(kv_cache: torch.Tensor, head_dim: int
 def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
     """k, v: [T, KVH, D] into the cache at flat slots [T] (block * bs + offset): rows of
-    [2, blocks, bs, KVH, D], or quantized rows of an int8 cache."""
+    [2, blocks, bs, KVH, D], quantized rows of an int8 cache, or a tile-layout cache's."""
+    t, kvh, d = k.shape
+    if is_tiles(kv_cache):
+        k_tiles, v_tiles = _tiles_views(kv_cache, d)
+        block, offset = slot_mapping // (kv_cache.shape[-1] // d), slot_mapping % (
+            kv_cache.shape[-1] // d)
+        k_tiles[block, offset // 16, offset % 16] = k.view(t, kvh, d // 32, 16, 2)
+        v_tiles[block, offset // 2, offset % 2] = v
+        return
     if kv_cache.dtype != torch.int8:
-        kvh, d = kv_cache.shape[-2:]
         kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
         return
-    t, kvh, d = k.shape
     k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, d)
     bs = k_values.shape[1]
     block, offset = slot_mapping // bs, slot_mapping % bs
@@ -111,7 +142,15 @@ def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def read_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """In place: k, v [T, KVH, D] = the rows at these slots as an int8 cache holds them
-    (scale * q in float32, rounded to k's dtype)."""
+    (scale * q in float32, rounded to k's dtype), or a tile-layout cache."""
+    if is_tiles(kv_cache):
+        t, _, d = k.shape
+        k_tiles, v_tiles = _tiles_views(kv_cache, d)
+        bs = kv_cache.shape[-1] // d
+        block, offset = slot_mapping // bs, slot_mapping % bs
+        k.copy_(k_tiles[block, offset // 16, offset % 16].reshape(k.shape))
+        v.copy_(v_tiles[block, offset // 2, offset % 2])
+        return
     k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, k.shape[-1])
     bs = k_values.shape[1]
     block, offset = slot_mapping // bs, slot_mapping % bs
@@ -126,6 +165,11 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, head_dim: int,
     slots) copies 16-token rows."""
     b, n = block_tables.shape
     ids = block_tables.reshape(-1)
+    if is_tiles(kv_cache):
+        k_tiles, v_tiles = _tiles_views(kv_cache, head_dim)
+        kvh = k_tiles.shape[3]
+        k, v = (x[ids].reshape(b, -1, kvh, head_dim).transpose(1, 2) for x in (k_tiles, v_tiles))
+        return k, v
     if kv_cache.dtype != torch.int8:
         _, _, bs, kvh, d = kv_cache.shape
         k, v = (kv_cache[i].index_select(0, ids).view(b, n * bs, kvh, d).transpose(1, 2)

@@ -49,6 +49,8 @@ class KVCacheLayout:
     # Of bytes_per_token, the draft model's own K/V (speculative decoding with a draft
     # model): its cache has the same blocks, so the budget pays both per token.
     draft_bytes_per_token: int = 0
+    # The tile layout (conveyor.ops.reference.is_tiles): same bytes, stored for AMX products.
+    tiles: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -64,8 +66,11 @@ class KVCacheLayout:
 
     @classmethod
     def from_budget(cls, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                    swap: bool = False, draft: ModelConfig | None = None) -> KVCacheLayout:
-        """Blocks of the budget; with a ``draft`` model, a block holds both models' K/V."""
+                    swap: bool = False, draft: ModelConfig | None = None,
+                    tiles: bool = False) -> KVCacheLayout:
+        """Blocks of the budget; with a ``draft`` model, a block holds both models' K/V.
+        ``tiles``: the backend reads the tile layout (``OpsBackend.kv_cache_tiles``); the
+        cache takes it where every model's head_dim and the block size fit it."""
         if cache.kv_cache_dtype == "int8" and cache.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' needs a block_size divisible by 16, got "
                              f"{cache.block_size}")
@@ -78,8 +83,11 @@ class KVCacheLayout:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of "
                              f"{cache.block_size} tokens at {per_token} bytes per token")
         num_swap = cache.swap_space // (per_token * cache.block_size) if swap else 0
+        tiles = (tiles and cache.kv_cache_dtype == "auto" and cache.block_size % 16 == 0
+                 and all(m.head_dim % 32 == 0 and m.head_dim <= 256
+                         for m in (model, draft) if m is not None))
         return cls(num_blocks, cache.block_size, per_token, num_swap, cache.kv_cache_dtype,
-                   draft_per_token)
+                   draft_per_token, tiles)
 
 
 def _kv_bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
@@ -98,13 +106,14 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
     ``extra_blocks`` past the layout's (the CUDA graphs' scratch block) on the device.
 
     [layers, 2 (K, V), blocks, block_size, KVH, D] (int8: [layers, 2, blocks, KVH,
-    block_size * (D + 4)], see conveyor.ops.reference)."""
+    block_size * (D + 4)]; the tile layout: [layers, 2, blocks, KVH, block_size * D]; see
+    conveyor.ops.reference)."""
     cfg = model.config
 
     def cache(num_blocks: int, device: torch.device | str, **kwargs: Any) -> torch.Tensor:
         dtype, shape = kv_cache_shape(num_blocks, layout.block_size, cfg.num_key_value_heads,
                                       cfg.head_dim, layout.kv_cache_dtype,
-                                      model.embed_tokens.weight.dtype)
+                                      model.embed_tokens.weight.dtype, layout.tiles)
         tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
                              **kwargs)
         # Pre-fault: write every page now. An allocator may hand out untouched pages (mmap,

@@ -12,6 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "prefill_attention.h"
 #include "quant_linear.h"
 #include "simd_math.h"
 #include "token_passes.h"
@@ -299,6 +300,49 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cach
     for (int64_t r = b; r < e; ++r) {
       std::memcpy(kc + slots[r] * width, kp + r * ks, width * sizeof(T));
       std::memcpy(vc + slots[r] * width, vp + r * vs, width * sizeof(T));
+    }
+  });
+}
+
+// The tile layout (ops/reference.py): per (plane, block, KV head) a head-block of bs * D
+// values, K as [bs / 16][D / 32][16 dim pairs][16 positions][2] (K^T in pairs of dims, as an
+// AMX product reads it), V as [bs / 2][D][2] (pairs of positions). Calls f(dim i, offset of
+// dim i of position t in the K head-block, in the V head-block) for each dim.
+template <typename F>
+inline void for_each_tiles_dim(int64_t d, int64_t t, F&& f) {
+  const int64_t k_group = (t / 16) * 16 * d + (t % 16) * 2, v_pair = (t / 2) * d * 2 + t % 2;
+  for (int64_t i = 0; i < d; ++i)
+    f(i, k_group + ((i / 32) * 16 + (i % 32) / 2) * 32 + i % 2, v_pair + i * 2);
+}
+
+// write_kv_ into a tile-layout cache; with `read`, the reverse (k, v = the rows at the slots).
+template <typename T>
+void tiles_kv_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping, int64_t bs, bool read) {
+  const int64_t rows = k.size(0), kvh = k.size(1), d = k.size(2);
+  T* kc = kv_cache.data_ptr<T>();
+  T* vc = kc + kv_cache[0].numel();
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, rows, row_grain(kvh * d), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t block = slots[r] / bs, t = slots[r] % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        T* kb = kc + (block * kvh + h) * bs * d;
+        T* vb = vc + (block * kvh + h) * bs * d;
+        T* kr = kp + r * k.stride(0) + h * k.stride(1);
+        T* vr = vp + r * v.stride(0) + h * v.stride(1);
+        for_each_tiles_dim(d, t, [&](int64_t i, int64_t ko, int64_t vo) {
+          if (read) {
+            kr[i] = kb[ko];
+            vr[i] = vb[vo];
+          } else {
+            kb[ko] = kr[i];
+            vb[vo] = vr[i];
+          }
+        });
+      }
     }
   });
 }
@@ -1076,6 +1120,7 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_si
 // dtype is [2, blocks, bs, KVH, D]; an int8 one [2, blocks, KVH, bs * (D + 4)] (see above).
 struct CacheShape {
   int64_t blocks, bs, kvh;
+  bool tiles = false;  // the tile layout [2, blocks, KVH, bs * D] (ops/reference.py)
 };
 
 CacheShape cache_shape(const at::Tensor& kv_cache, int64_t d, const char* op) {
@@ -1085,6 +1130,12 @@ CacheShape cache_shape(const at::Tensor& kv_cache, int64_t d, const char* op) {
     TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) % (d + kScaleBytes) == 0, op,
                 ": an int8 kv_cache must be [2, blocks, KVH, bs * (D + 4)]");
     return {kv_cache.size(1), kv_cache.size(3) / (d + kScaleBytes), kv_cache.size(2)};
+  }
+  if (kv_cache.dim() == 4) {
+    TORCH_CHECK(d % 32 == 0 && kv_cache.size(3) % (16 * d) == 0, op,
+                ": a tile-layout kv_cache must be [2, blocks, KVH, bs * D], bs a multiple of 16 "
+                "and D of 32");
+    return {kv_cache.size(1), kv_cache.size(3) / d, kv_cache.size(2), true};
   }
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(4) == d, op,
               ": kv_cache must be [2, blocks, bs, KVH, D]");
@@ -1144,23 +1195,29 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
   const CacheShape shape = check_write_kv(k, v, kv_cache, slot_mapping);
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   CONVEYOR_DISPATCH(k.scalar_type(), "write_kv_", [&] {
-    if (int8) write_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs);
+    if (shape.tiles) tiles_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs, false);
+    else if (int8) write_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs);
     else write_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping);
   });
 }
 
 void read_kv_(at::Tensor k, at::Tensor v, const at::Tensor& kv_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kChar, "read_kv_: for an int8 kv_cache");
   const CacheShape shape = check_write_kv(k, v, kv_cache, slot_mapping, "read_kv_");
-  CONVEYOR_DISPATCH(k.scalar_type(), "read_kv_",
-                    [&] { read_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs); });
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar || shape.tiles,
+              "read_kv_: for an int8 or tile-layout kv_cache");
+  CONVEYOR_DISPATCH(k.scalar_type(), "read_kv_", [&] {
+    if (shape.tiles) tiles_kv_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs, true);
+    else read_kv_int8_impl<scalar_t>(k, v, kv_cache, slot_mapping, shape.bs);
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale) {
   const CacheShape shape = check_decode_attention(q, kv_cache, block_tables, context_lens);
+  if (shape.tiles)
+    return conveyor::decode_attention_tiles(q, kv_cache, block_tables, context_lens, scale);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor cache = kv_cache;  // read only
   CONVEYOR_DISPATCH(q.scalar_type(), "decode_attention", [&] {

@@ -28,12 +28,10 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefill_attention.h"
 #include "simd_math.h"
 
 namespace conveyor {
-
-// Built with AVX512-BF16 (AMX tiles are used too where the CPU grants them).
-bool prefill_attention_available();
 
 namespace {
 
@@ -112,15 +110,34 @@ void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kh, int64_t k
 }
 
 #ifdef CONVEYOR_AMX
+// Zeroes the output accumulators (tiles 4-7) of a P V product.
+inline void zero_outputs() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+#endif
+
+// Row i of o ([rows][d] float32 sums) divided by sums[i], rounded to bf16 into dst(i).
+template <typename Dst>
+void store_outputs(const float* o, const float* sums, int64_t rows, int64_t d, const Dst& dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[i]);
+    at::BFloat16* out = dst(i);
+    for (int64_t c = 0; c < d; c += 16)
+      _mm256_storeu_si256((__m256i*)(out + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                                   _mm512_loadu_ps(o + i * d + c), inv)));
+  }
+}
+
+#ifdef CONVEYOR_AMX
 // o[16][d] = P V over the first `pairs` pair blocks of keys, with tiles.
 void values_tiles(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d,
                   int64_t pairs, float* o) {
   for (int64_t d0 = 0; d0 < d; d0 += 64) {  // 64 dims (4 tiles) at a time
     const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    zero_outputs();
     for (int64_t pb = 0; pb < pairs; ++pb) {
       _tile_loadd(0, p + pb * 32, width * 2);
       const uint32_t* vb = vh + (pb * (d / 16) + d0 / 16) * 256;
@@ -262,18 +279,177 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       else
 #endif
         values_dp(p.data(), width, vh, d, used / 32, o, rows);
-      for (int64_t i = 0; i < rows; ++i) {
-        const __m512 inv = _mm512_set1_ps(1.f / sums[i]);
-        at::BFloat16* dst = od + ((q0 + i) * heads + h) * d;
-        for (int64_t c = 0; c < d; c += 16)
-          _mm256_storeu_si256((__m256i*)(dst + c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                  _mm512_loadu_ps(o + i * d + c), inv)));
-      }
+      store_outputs(o, sums, rows, d, [&](int64_t i) { return od + ((q0 + i) * heads + h) * d; });
     }
 #ifdef CONVEYOR_AMX
     if (tiles) _tile_release();
 #endif
+  });
+#endif
+  return out;
+}
+
+#ifdef CONVEYOR_AMX
+namespace {
+
+// The tiles of decode_attention_tiles: 0 Q (16 rows x 32 dims), 1 K^T (16 dim pairs x 16
+// positions), 2 P (16 rows x 16 positions), 3 V (8 position pairs x 16 dims), 4-7 S or O.
+struct alignas(64) DecodeTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  DecodeTileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      rows[t] = 16;
+      colsb[t] = 64;
+    }
+    colsb[2] = 32;
+    rows[3] = 8;
+  }
+};
+
+// Runs of consecutive rows whose blocks are the same as far as the longest of them reads (a
+// verify: a request's last token and its drafts): [starts[i], starts[i + 1]).
+std::vector<int64_t> runs_of(const int64_t* tables, int64_t width, const int64_t* lens,
+                             int64_t batch, int64_t bs) {
+  std::vector<int64_t> starts{0};
+  int64_t longest = lens[0];
+  for (int64_t b = 1; b < batch; ++b) {
+    const int64_t first = starts.back(), most = std::max(longest, lens[b]);
+    const int64_t blocks = (most + bs - 1) / bs;
+    if (std::equal(tables + b * width, tables + b * width + blocks, tables + first * width)) {
+      longest = most;
+    } else {
+      starts.push_back(b);
+      longest = lens[b];
+    }
+  }
+  starts.push_back(batch);
+  return starts;
+}
+
+// Up to 16 query rows (qbuf) of one KV head against its head-blocks (kt, vt: where each 16
+// positions' K^T and V groups start): row i sees positions [0, visible[i]). S = Q K^T per 16
+// positions, an exact softmax per row (softmax_row), O = P V per 16 positions in tiles of 64
+// dims, divided by the row's sum and rounded to bf16 into dst[i]. Each row's values come from
+// its own query and positions only, in one fixed order: a row's output does not depend on the
+// other rows.
+void attend_tiles(const uint16_t* qbuf, int64_t rows, const int64_t* visible,
+                  const at::BFloat16* const* kt, const at::BFloat16* const* vt, int64_t d,
+                  float scale, float* s, uint16_t* p, float* o, at::BFloat16* const* dst) {
+  const int64_t most = *std::max_element(visible, visible + rows);
+  const int64_t groups = (most + 15) / 16, width = groups * 16;
+  for (int64_t kb = 0; kb < groups; ++kb) {
+    if (kb + 1 < groups)  // the next groups lie anywhere: fetch them while this one computes
+      for (int64_t byte = 0; byte < 32 * d; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kt[kb + 1]) + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vt[kb + 1]) + byte, _MM_HINT_T1);
+      }
+    _tile_zero(4);
+    for (int64_t c = 0; c < d / 32; ++c) {
+      _tile_loadd(0, qbuf + c * 32, d * 2);
+      _tile_loadd(1, kt[kb] + c * 512, 64);
+      _tile_dpbf16ps(4, 0, 1);
+    }
+    _tile_stored(4, s + kb * 16, width * 4);
+  }
+  float sums[16];
+  for (int64_t i = 0; i < rows; ++i)  // rows past `rows` keep finite scratch; nobody reads them
+    sums[i] = softmax_row(s + i * width, p + i * width, visible[i], width, scale);
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
+    zero_outputs();
+    for (int64_t kb = 0; kb < groups; ++kb) {
+      _tile_loadd(2, p + kb * 16, width * 2);
+      const at::BFloat16* v = vt[kb] + d0 * 2;  // [8 position pairs][d dims][2]
+      _tile_loadd(3, v, d * 4);
+      _tile_dpbf16ps(4, 2, 3);
+      if (tiles > 1) {
+        _tile_loadd(3, v + 32, d * 4);
+        _tile_dpbf16ps(5, 2, 3);
+      }
+      if (tiles > 2) {
+        _tile_loadd(3, v + 64, d * 4);
+        _tile_dpbf16ps(6, 2, 3);
+      }
+      if (tiles > 3) {
+        _tile_loadd(3, v + 96, d * 4);
+        _tile_dpbf16ps(7, 2, 3);
+      }
+    }
+    _tile_stored(4, o + d0, d * 4);
+    if (tiles > 1) _tile_stored(5, o + d0 + 16, d * 4);
+    if (tiles > 2) _tile_stored(6, o + d0 + 32, d * 4);
+    if (tiles > 3) _tile_stored(7, o + d0 + 48, d * 4);
+  }
+  store_outputs(o, sums, rows, d, [&](int64_t i) { return dst[i]; });
+}
+
+}  // namespace
+#endif  // CONVEYOR_AMX
+
+at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(amx_available() && q.scalar_type() == at::kBFloat16 &&
+                  kv_cache.scalar_type() == at::kBFloat16 && d <= 256,
+              "decode_attention: a tile-layout kv_cache needs AMX, bf16 and head_dim <= 256");
+  at::Tensor out = at::empty({batch, heads, d}, q.options());
+#ifdef CONVEYOR_AMX
+  const int64_t kvh = kv_cache.size(2), bs = kv_cache.size(3) / d, group = heads / kvh;
+  const int64_t width = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const std::vector<int64_t> starts = runs_of(tables, width, lens, batch, bs);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  const auto* kc = kv_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* vc = kc + kv_cache[0].numel();
+  const auto* qd = q.data_ptr<at::BFloat16>();
+  auto* od = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, runs * kvh, 1, [&](int64_t t0, int64_t t1) {
+    const FlushDenormals flush;
+    static thread_local const DecodeTileConfig config;
+    _tile_loadconfig(&config);
+    static thread_local std::vector<float> s;  // kept between calls: no allocation per step
+    static thread_local std::vector<uint16_t> p;
+    static thread_local std::vector<const at::BFloat16*> kt, vt;
+    alignas(64) uint16_t qbuf[16 * 256];
+    alignas(64) float o[16 * 256];
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t run = task / kvh, kh = task % kvh, b0 = starts[run], b1 = starts[run + 1];
+      const int64_t groups = (*std::max_element(lens + b0, lens + b1) + 15) / 16;
+      if (static_cast<int64_t>(s.size()) < 256 * groups) {
+        s.resize(256 * groups);
+        p.resize(256 * groups);
+      }
+      kt.resize(groups);
+      vt.resize(groups);
+      for (int64_t g = 0; g < groups; ++g) {  // each 16 positions' head-block groups
+        const int64_t head_block = (tables[b0 * width + g * 16 / bs] * kvh + kh) * bs * d;
+        kt[g] = kc + head_block + (g * 16 % bs) * d;
+        vt[g] = vc + head_block + (g * 16 % bs) * d;
+      }
+      const int64_t n = (b1 - b0) * group;  // query rows: (row of the run, query head)
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, n - i0);
+        at::BFloat16* dst[16];
+        int64_t visible[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i >= rows) {
+            std::memset(qbuf + i * d, 0, d * 2);
+            continue;
+          }
+          const int64_t b = b0 + (i0 + i) / group, h = kh * group + (i0 + i) % group;
+          std::memcpy(qbuf + i * d, qd + b * q.stride(0) + h * q.stride(1), d * 2);
+          dst[i] = od + (b * heads + h) * d;
+          visible[i] = lens[b];
+        }
+        attend_tiles(qbuf, rows, visible, kt.data(), vt.data(), d, static_cast<float>(scale),
+                     s.data(), p.data(), o, dst);
+      }
+    }
+    _tile_release();
   });
 #endif
   return out;
