@@ -5,7 +5,9 @@ that share the request's block table (context lengths L, L+1, ...). This times
 ``decode_attention`` (the C++ kernel of the engine's dtype here: bf16 with AVX-512, float32
 on AVX2) for 64 requests x R rows at SmolLM2-135M's shapes (9 query heads, 3 KV heads,
 head_dim 64, block size 16), one layer, and prints ms per layer, x30 layers, and the cost of
-each row past the first. Usage: python docs/results/verify_attention_rows.py [CONTEXT ...]
+each row past the first: over a cache of rows, and where the CPU has AMX also over the same
+K/V in the tile layout the engine uses there (``reference.is_tiles``).
+Usage: python docs/results/verify_attention_rows.py [CONTEXT ...]
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from conveyor.ops import amx_available, cpu_kernels, dot_kernels_available
+from conveyor.ops import amx_available, cpu_kernels, dot_kernels_available, reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 REQUESTS, LAYERS = 64, 30
@@ -47,13 +49,23 @@ def main(contexts: list[int]) -> None:
         blocks = (context + 8 + BLOCK - 1) // BLOCK  # room for the drafts
         cache = torch.randn(2, REQUESTS * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
         tables = torch.randperm(REQUESTS * blocks)[:REQUESTS * blocks].view(REQUESTS, blocks)
-        one = None
-        for rows in (1, 2, 3, 5):
-            ms = time_rows(cache, tables, context, rows, dtype) * 1e3
-            one = ms if one is None else one
-            extra = "" if rows == 1 else f", each row past the first {(ms - one) / (rows - 1):.3f} ms"
-            print(f"context {context}, {REQUESTS} x {rows} rows: {ms:.3f} ms per layer, "
-                  f"{ms * LAYERS:.1f} ms for {LAYERS} layers{extra}")
+        caches = {"rows": cache}
+        if amx_available() and dtype == torch.bfloat16:
+            _, shape = reference.kv_cache_shape(cache.shape[1], BLOCK, KV_HEADS, HEAD_DIM,
+                                                "auto", dtype, tiles=True)
+            tiles = torch.zeros(shape, dtype=dtype)
+            slots = torch.arange(cache.shape[1] * BLOCK)
+            cpu_kernels.write_kv_(cache[0].flatten(0, 1), cache[1].flatten(0, 1), tiles, slots)
+            caches["tiles"] = tiles
+        for layout, kv in caches.items():
+            one = None
+            for rows in (1, 2, 3, 5):
+                ms = time_rows(kv, tables, context, rows, dtype) * 1e3
+                one = ms if one is None else one
+                extra = ("" if rows == 1 else
+                         f", each row past the first {(ms - one) / (rows - 1):.3f} ms")
+                print(f"{layout}: context {context}, {REQUESTS} x {rows} rows: {ms:.3f} ms per "
+                      f"layer, {ms * LAYERS:.1f} ms for {LAYERS} layers{extra}")
 
 
 if __name__ == "__main__":
