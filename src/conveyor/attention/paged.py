@@ -1,7 +1,8 @@
 """Paged attention over a ragged batch (CPU, and any device torch runs on).
 
 The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, or with
-``kv_cache_dtype="int8"`` quantized rows with their scales (``conveyor.ops.reference``). New K/V
+``kv_cache_dtype="int8"`` quantized rows with their scales, or (bf16 with AMX) the tile layout
+(``conveyor.ops.reference``). New K/V
 are written into their slots (``block_id * block_size + offset``) for the whole batch first;
 then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
 kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by

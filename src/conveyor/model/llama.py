@@ -146,7 +146,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] -> [T, hidden].
+        """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] (or another
+        layout of ``reference.kv_cache_shape``) -> [T, hidden].
 
         Each layer: x = the previous MLP output (the embeddings first), residual = the
         stream before it; every residual add is fused with the norm that follows it.

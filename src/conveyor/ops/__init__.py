@@ -5,7 +5,7 @@ The ops: ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``, ``write_kv_
 ``read_kv_``, ``decode_attention``, ``write_decode_attention_``, ``prefill_attention`` and
 ``argmax`` (signatures in ``reference.py``), plus capability flags the callers read
 (``fused_decode``, ``quantized_matmuls``, ``prefill_attention_kernel``,
-``prefill_rows_as_decodes``, ``paged_attention_in_place``).
+``prefill_rows_as_decodes``, ``paged_attention_in_place``, ``kv_cache_tiles``).
 
 On CPU they are the C++ kernels (``cpu_kernels.py``, the only module that calls
 ``torch.ops.conveyor``), built from ``csrc/*.cpp`` on first use. Each kernel replaces several

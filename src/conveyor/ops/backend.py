@@ -4,7 +4,8 @@ device can do, three implementations, chosen in one place (``select_backend``).
 - ``ReferenceBackend``: the torch ops of ``reference.py``, on any device; the oracle the
   kernels are tested against, and what runs where no kernel is built.
 - ``CpuKernelBackend``: the C++ kernels (``cpu_kernels``), with the fused decode loop,
-  matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them.
+  matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them;
+  with AMX, a bf16 KV cache in the tile layout (``kv_cache_tiles``).
 - ``CudaBackend``: the torch reference ops on CUDA tensors, and as ``step_attention`` the
   paged-attention kernel ``attention/cuda_backend.py`` picks (FlashInfer, else Triton),
   which reads the blocks in place (``paged_attention_in_place``); without either, SDPA over

@@ -1116,8 +1116,9 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_si
                     [&] { rotary_impl<scalar_t>(x, positions, cos_sin, num_heads, head_dim); });
 }
 
-// The cache's geometry for head_dim d: {blocks, block size, KV heads}. A cache in the model's
-// dtype is [2, blocks, bs, KVH, D]; an int8 one [2, blocks, KVH, bs * (D + 4)] (see above).
+// The cache's geometry for head_dim d: {blocks, block size, KV heads, tiles}. A cache in the
+// model's dtype is [2, blocks, bs, KVH, D], or in the tile layout [2, blocks, KVH, bs * D];
+// an int8 one [2, blocks, KVH, bs * (D + 4)] (see above).
 struct CacheShape {
   int64_t blocks, bs, kvh;
   bool tiles = false;  // the tile layout [2, blocks, KVH, bs * D] (ops/reference.py)

@@ -16,6 +16,9 @@
 // (16 dims a vector). Either way every value of a row is computed by the same operations in
 // the same order whatever chunk or 16-row group the row is in (keys a row does not see add
 // exact zeros), so a prompt's outputs do not depend on how it was chunked.
+//
+// Decode attention over a KV cache in the tile layout (decode_attention_tiles, at the end)
+// shares the softmax: there the cache itself holds K^T and V as the tiles read them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
