@@ -133,6 +133,33 @@ def test_a_query_rows_attention_does_not_depend_on_its_chunk(kops) -> None:
         start = end
 
 
+@pytest.mark.parametrize("kv_heads,head_dim,block_size", [(3, 64, 16), (2, 128, 32)])
+def test_prefill_attention_over_a_tile_layout_cache_is_prefill_attention(
+        kops, kv_heads, head_dim, block_size) -> None:
+    """prefill_attention_tiles reads a chunk's keys and prefix where a tile-layout cache holds
+    them (reference.is_tiles): the same bits as prefill_attention over those keys as rows,
+    with and without a prefix, one row to a few hundred."""
+    from conveyor.ops import reference
+
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, num_blocks = 4 * kv_heads, 40
+    _, shape = reference.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim, "auto",
+                                        torch.bfloat16, tiles=True)
+    cache = torch.zeros(shape, dtype=torch.bfloat16)
+    slots = torch.arange(num_blocks * block_size)
+    k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    kops.write_kv_(k, v, cache, slots)
+    table = torch.randperm(num_blocks, generator=gen)[:24]
+    rows = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)  # positions
+    for offset, length in ((0, 37), (100, 40), (0, 300), (17, 1)):
+        q = torch.randn(length, heads, head_dim, generator=gen).to(torch.bfloat16)
+        keys = rows[:offset + length]
+        expected = kops.prefill_attention(q, k[keys], v[keys], offset, head_dim ** -0.5)
+        actual = kops.prefill_attention_tiles(q, cache, table, offset, head_dim ** -0.5)
+        assert torch.equal(actual, expected)
+
+
 def test_prefill_attention_refuses_bad_shapes(kops) -> None:
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="offset"):

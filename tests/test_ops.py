@@ -224,6 +224,14 @@ def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(amx_kernel
         assert torch.equal(alone, out[i:i + 1])
     verify = amx_kernels.decode_attention(q[3:7], tiles, tables[3:7], lens[3:7], scale)
     assert torch.equal(verify, out[3:7])
+    # A prefill chunk's rows attend as decodes over this layout: 40 rows of one request
+    # (positions 100-139) in one call, split over tasks of 16 query rows, against each alone.
+    chunk_q, _, _ = _qkv_views(40, heads, kv_heads, head_dim, gen)
+    chunk_tables, chunk_lens = tables[7:8].expand(40, -1).contiguous(), torch.arange(101, 141)
+    chunk = amx_kernels.decode_attention(chunk_q, tiles, chunk_tables, chunk_lens, scale)
+    for i in (0, 5, 17, 39):
+        assert torch.equal(chunk[i:i + 1], amx_kernels.decode_attention(
+            chunk_q[i:i + 1], tiles, chunk_tables[i:i + 1], chunk_lens[i:i + 1], scale))
 
 
 def test_kernels_refuse_out_of_range_indices(kernels) -> None:

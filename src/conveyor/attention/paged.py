@@ -10,7 +10,8 @@ one: causal inside the chunk, full over the cached prefix (gathered block by blo
 ``ops.prefill_attention`` (C++, AMX tiles or AVX512-BF16) in bf16, else torch's SDPA; a
 chunk's generated tokens recomputed after a preemption attend as decodes, and in float32
 with the C++ kernels every row of a chunk does (a query's result then never depends on its
-chunk). A
+chunk). Over a tile-layout cache the prefill kernel reads the chunk's and its prefix's keys
+where the cache holds them (``ops.prefill_attention_tiles``). A
 decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
 attention, fused for an int8 cache). ``ops`` is the model's ``OpsBackend``; its flags choose
 the paths (``prefill_attention_kernel``, ``prefill_rows_as_decodes``), and a backend with a
@@ -54,8 +55,8 @@ def paged_attention(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.
         prompt = 0 if rows_as_decodes else chunk.query_len - chunk.generated_rows
         rows = slice(chunk.query_start, chunk.query_start + prompt)
         if prompt:
-            out[rows] = _prefill(ops, q[rows], k[rows], v[rows], kv_cache, chunk, scale,
-                                 kernel)
+            out[rows] = _prefill(ops, q[rows], k[rows], v[rows], kv_cache, meta, chunk,
+                                 scale, kernel)
         if prompt < chunk.query_len:
             gen = slice(rows.stop, chunk.query_start + chunk.query_len)
             out[gen] = _as_decodes(ops, q[gen], kv_cache, meta, chunk, prompt, scale)
@@ -107,8 +108,11 @@ def _decode(ops: OpsBackend, q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def _prefill(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float, kernel: bool
-             ) -> torch.Tensor:
+             kv_cache: torch.Tensor, meta: AttentionMetadata, chunk: PrefillChunk,
+             scale: float, kernel: bool) -> torch.Tensor:
+    if kernel and is_tiles(kv_cache):  # the keys as the cache holds them (written above)
+        table = _block_table(chunk, meta, kv_cache, q.shape[-1]).contiguous()
+        return ops.prefill_attention_tiles(q, kv_cache, table, chunk.num_computed_tokens, scale)
     if kernel:
         if chunk.block_table is not None:  # the prefix's K/V (and the chunk's) from the cache
             kh, vh = gather_kv(kv_cache, chunk.block_table.unsqueeze(0), q.shape[-1], q.dtype)

@@ -100,6 +100,13 @@ class OpsBackend(Protocol):
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
                           scale: float) -> torch.Tensor: ...
 
+    def prefill_attention_tiles(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                                block_table: torch.Tensor, offset: int,
+                                scale: float) -> torch.Tensor:
+        """``prefill_attention`` over the chunk's keys and prefix as a tile-layout cache holds
+        them (positions 0 ... offset + L - 1 of ``block_table``), read in place."""
+        ...
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -114,6 +121,17 @@ def reference_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                          v.transpose(0, 1), attn_mask=mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def reference_prefill_attention_tiles(q: torch.Tensor, kv_cache: torch.Tensor,
+                                      block_table: torch.Tensor, offset: int,
+                                      scale: float) -> torch.Tensor:
+    """The keys gathered out of the cache, then ``reference_prefill_attention``."""
+    keys = offset + q.shape[0]
+    k, v = (x[0, :, :keys].transpose(0, 1)
+            for x in reference.gather_kv(kv_cache, block_table.unsqueeze(0), q.shape[-1],
+                                         q.dtype))
+    return reference_prefill_attention(q, k, v, offset, scale)
 
 
 class ReferenceBackend:
@@ -137,6 +155,7 @@ class ReferenceBackend:
     decode_attention = staticmethod(reference.decode_attention)
     write_decode_attention_ = staticmethod(reference.write_decode_attention_)
     prefill_attention = staticmethod(reference_prefill_attention)
+    prefill_attention_tiles = staticmethod(reference_prefill_attention_tiles)
     argmax = staticmethod(reference.argmax)
 
 
@@ -192,6 +211,7 @@ class CpuKernelBackend:
     decode_attention = staticmethod(cpu_kernels.decode_attention)
     write_decode_attention_ = staticmethod(cpu_kernels.write_decode_attention_)
     prefill_attention = staticmethod(cpu_kernels.prefill_attention)
+    prefill_attention_tiles = staticmethod(cpu_kernels.prefill_attention_tiles)
     argmax = staticmethod(cpu_kernels.argmax)
 
     # The fused decode loop (``fused_decode``): CPU only, so not part of ``OpsBackend``.

@@ -174,6 +174,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset:
     return torch.ops.conveyor.prefill_attention(q, k, v, offset, scale)
 
 
+def prefill_attention_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            offset: int, scale: float) -> torch.Tensor:
+    """``prefill_attention`` over a tile-layout cache (``reference.is_tiles``) that holds the
+    chunk's keys and its prefix at positions 0 ... offset + L - 1 of ``block_table`` [n]."""
+    return torch.ops.conveyor.prefill_attention_tiles(q, kv_cache, block_table, offset, scale)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.conveyor.argmax(logits)
 

@@ -85,14 +85,15 @@ float softmax_row(const float* s, uint16_t* p, int64_t n, int64_t width, float s
 }
 
 // Scores of a 16-row group against key block kb: s[i * width + kb * 16 + j] = q_i . k_j.
-void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kh, int64_t key_blocks,
+// kg: the block's K^T, [16 dim pairs][16 keys] words per 32 dims, `c_stride` words apart.
+void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kg, int64_t c_stride,
                   int64_t kb, float* s, int64_t width, bool tiles) {
 #ifdef CONVEYOR_AMX
   if (tiles) {
     _tile_zero(2);
     for (int64_t c = 0; c < d / 32; ++c) {
       _tile_loadd(0, qbuf + c * 32, d * 2);
-      _tile_loadd(1, kh + (c * key_blocks + kb) * 256, 64);
+      _tile_loadd(1, kg + c * c_stride, 64);
       _tile_dpbf16ps(2, 0, 1);
     }
     _tile_stored(2, s + kb * 16, width * 4);
@@ -104,7 +105,7 @@ void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kh, int64_t k
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < d / 2; ++p) {
     const __m512bh keys =
-        (__m512bh)_mm512_loadu_si512(kh + ((p / 16) * key_blocks + kb) * 256 + (p % 16) * 16);
+        (__m512bh)_mm512_loadu_si512(kg + (p / 16) * c_stride + (p % 16) * 16);
     for (int i = 0; i < 16; ++i)
       acc[i] = _mm512_dpbf16_ps(acc[i], keys, (__m512bh)_mm512_set1_epi32(
                                                   static_cast<int>(q[i * (d / 2) + p])));
@@ -198,6 +199,70 @@ void values_dp(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d, 
 
 }  // namespace
 
+#ifdef CONVEYOR_AVX512BF16
+namespace {
+
+// The attention of a prefill chunk q [L, H, D] at positions offset ... over `keys` = offset
+// + L keys of kv_heads KV heads: kgroup(h, kb) is KV head h's K^T for keys kb * 16 ... (its
+// 32-dim parts c_stride words apart), vt + h * packed_v its values as pack_values lays them.
+template <typename KGroup>
+void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t keys,
+                  int64_t kv_heads, double scale, const KGroup& kgroup, int64_t c_stride,
+                  const uint32_t* vt, int64_t packed_v) {
+  const int64_t len = q.size(0), heads = q.size(1), d = q.size(2);
+  const bool tiles = amx_available();
+  const int64_t width = (keys + 31) / 32 * 32;  // scores and weights per row, padded
+  const int64_t group = heads / kv_heads, q_blocks = (len + 15) / 16;
+  const auto* qd = q.data_ptr<at::BFloat16>();
+  auto* od = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, heads * q_blocks, 1, [&](int64_t w0, int64_t w1) {
+    const FlushDenormals flush;
+#ifdef CONVEYOR_AMX
+    if (tiles) load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
+#endif
+    std::vector<float> s(static_cast<size_t>(16 * width));
+    std::vector<uint16_t> p(static_cast<size_t>(16 * width));
+    alignas(64) uint16_t qbuf[16 * 256];
+    alignas(64) float o[16 * 256];
+    float sums[16];
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w / q_blocks, q0 = (w % q_blocks) * 16;
+      const int64_t rows = std::min<int64_t>(16, len - q0);
+      const uint32_t* vh = vt + (h / group) * packed_v;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < rows)
+          std::memcpy(qbuf + i * d, qd + (q0 + i) * q.stride(0) + h * q.stride(1), d * 2);
+        else
+          std::memset(qbuf + i * d, 0, d * 2);
+      }
+      const int64_t visible = offset + q0 + rows;  // keys the last row sees
+      for (int64_t kb = 0; kb * 16 < visible; ++kb)  // S = Q K^T
+        scores_block(qbuf, d, kgroup(h / group, kb), c_stride, kb, s.data(), width, tiles);
+      const int64_t used = (visible + 31) / 32 * 32;  // weights P V reads per row
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < rows)
+          sums[i] = softmax_row(s.data() + i * width, p.data() + i * width, offset + q0 + i + 1,
+                                used, static_cast<float>(scale));
+        else
+          std::memset(p.data() + i * width, 0, used * 2);
+      }
+#ifdef CONVEYOR_AMX
+      if (tiles)
+        values_tiles(p.data(), width, vh, d, used / 32, o);
+      else
+#endif
+        values_dp(p.data(), width, vh, d, used / 32, o, rows);
+      store_outputs(o, sums, rows, d, [&](int64_t i) { return od + ((q0 + i) * heads + h) * d; });
+    }
+#ifdef CONVEYOR_AMX
+    if (tiles) _tile_release();
+#endif
+  });
+}
+
+}  // namespace
+#endif  // CONVEYOR_AVX512BF16
+
 // q [L, H, D], k and v [offset + L, KVH, D] (the prefix's keys first), each with unit stride
 // in D; returns [L, H, D].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -223,9 +288,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: k's rows must start on 4-byte boundaries");
   at::Tensor out = at::empty({len, heads, d}, q.options());
 #ifdef CONVEYOR_AVX512BF16
-  const bool tiles = amx_available();
   const int64_t key_blocks = (keys + 15) / 16, pair_blocks = (keys + 31) / 32;
-  const int64_t width = pair_blocks * 32;  // scores and weights per row, padded
   const int64_t packed_k = key_blocks * (d / 2) * 16, packed_v = pair_blocks * (d / 16) * 256;
   std::vector<uint32_t> kt(static_cast<size_t>(kv_heads * packed_k));
   std::vector<uint32_t> vt(static_cast<size_t>(kv_heads * packed_v));
@@ -241,53 +304,59 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                   pair_blocks);
     }
   });
-  const int64_t group = heads / kv_heads, q_blocks = (len + 15) / 16;
-  const auto* qd = q.data_ptr<at::BFloat16>();
-  auto* od = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, heads * q_blocks, 1, [&](int64_t w0, int64_t w1) {
-    const FlushDenormals flush;
-#ifdef CONVEYOR_AMX
-    if (tiles) load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
+  prefill_core(q, out, offset, keys, kv_heads, scale,
+               [&](int64_t h, int64_t kb) { return kt.data() + h * packed_k + kb * 256; },
+               key_blocks * 256, vt.data(), packed_v);
 #endif
-    std::vector<float> s(static_cast<size_t>(16 * width));
-    std::vector<uint16_t> p(static_cast<size_t>(16 * width));
-    alignas(64) uint16_t qbuf[16 * 256];
-    alignas(64) float o[16 * 256];
-    float sums[16];
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / q_blocks, q0 = (w % q_blocks) * 16;
-      const int64_t rows = std::min<int64_t>(16, len - q0);
-      const uint32_t* kh = kt.data() + (h / group) * packed_k;
-      const uint32_t* vh = vt.data() + (h / group) * packed_v;
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i < rows)
-          std::memcpy(qbuf + i * d, qd + (q0 + i) * q.stride(0) + h * q.stride(1), d * 2);
-        else
-          std::memset(qbuf + i * d, 0, d * 2);
+  return out;
+}
+
+// prefill_attention over a tile-layout cache [2, blocks, KVH, bs * D] holding the chunk's
+// keys and its prefix (written first) at positions 0 ... offset + L - 1 of `block_table`
+// [n]: K^T read where the cache holds it, the values copied into prefill_core's layout (64
+// bytes at a time, no shuffles). The same outputs as prefill_attention over those keys.
+at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cache,
+                                   const at::Tensor& block_table, int64_t offset, double scale) {
+  const int64_t len = q.size(0), heads = q.size(1), d = q.size(2), keys = offset + len;
+  TORCH_CHECK(prefill_attention_available() && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  kv_cache.dim() == 4 && kv_cache.is_contiguous() && d % 32 == 0 && d <= 256 &&
+                  kv_cache.size(3) % (16 * d) == 0 && heads % kv_cache.size(2) == 0,
+              "prefill_attention_tiles: bf16 q [L, H, D] and a tile-layout kv_cache");
+  const int64_t kvh = kv_cache.size(2), bs = kv_cache.size(3) / d, blocks = kv_cache.size(1);
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.dim() == 1 && block_table.numel() * bs >= keys && offset >= 0,
+              "prefill_attention_tiles: a block table [n] long enough for offset + L keys");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (keys + bs - 1) / bs; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < blocks, "prefill_attention_tiles: block ", table[i],
+                " outside the cache");
+  at::Tensor out = at::empty({len, heads, d}, q.options());
+#ifdef CONVEYOR_AVX512BF16
+  const auto* kc = reinterpret_cast<const uint32_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const uint32_t* vc = kc + kv_cache[0].numel() / 2;
+  auto group_of = [&](const uint32_t* plane, int64_t h, int64_t kb) {  // 16 keys' words
+    return plane + ((table[kb * 16 / bs] * kvh + h) * bs + kb * 16 % bs) * d / 2;
+  };
+  const int64_t pair_blocks = (keys + 31) / 32, packed_v = pair_blocks * (d / 16) * 256;
+  std::vector<uint32_t> vt(static_cast<size_t>(kvh * packed_v));
+  at::parallel_for(0, kvh * pair_blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {  // [16 key pairs][16 dims] per 32 keys and 16 dims
+      const int64_t h = t / pair_blocks, pb = t % pair_blocks;
+      for (int64_t pr = 0; pr < 16; ++pr) {
+        const int64_t key = pb * 32 + 2 * pr;
+        const uint32_t* src = key < keys ? group_of(vc, h, key / 16) + (pr % 8) * d : nullptr;
+        for (int64_t dt = 0; dt < d / 16; ++dt) {
+          uint32_t* dst = vt.data() + h * packed_v + ((pb * (d / 16) + dt) * 16 + pr) * 16;
+          if (src) std::memcpy(dst, src + dt * 16, 64);
+          else std::memset(dst, 0, 64);
+        }
       }
-      const int64_t visible = offset + q0 + rows;  // keys the last row sees
-      for (int64_t kb = 0; kb * 16 < visible; ++kb)  // S = Q K^T
-        scores_block(qbuf, d, kh, key_blocks, kb, s.data(), width, tiles);
-      const int64_t used = (visible + 31) / 32 * 32;  // weights P V reads per row
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i < rows)
-          sums[i] = softmax_row(s.data() + i * width, p.data() + i * width, offset + q0 + i + 1,
-                                used, static_cast<float>(scale));
-        else
-          std::memset(p.data() + i * width, 0, used * 2);
-      }
-#ifdef CONVEYOR_AMX
-      if (tiles)
-        values_tiles(p.data(), width, vh, d, used / 32, o);
-      else
-#endif
-        values_dp(p.data(), width, vh, d, used / 32, o, rows);
-      store_outputs(o, sums, rows, d, [&](int64_t i) { return od + ((q0 + i) * heads + h) * d; });
     }
-#ifdef CONVEYOR_AMX
-    if (tiles) _tile_release();
-#endif
   });
+  prefill_core(q, out, offset, keys, kvh, scale,
+               [&](int64_t h, int64_t kb) { return group_of(kc, h, kb); }, 256, vt.data(),
+               packed_v);
 #endif
   return out;
 }
@@ -410,7 +479,17 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
   const at::BFloat16* vc = kc + kv_cache[0].numel();
   const auto* qd = q.data_ptr<at::BFloat16>();
   auto* od = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, runs * kvh, 1, [&](int64_t t0, int64_t t1) {
+  // Tasks: (run, KV head, 16 of the run's query rows), the rows (row of the run, query head)
+  // in order; a prefill chunk's rows (one run) spread over every thread.
+  struct Task {
+    int64_t run, kh, first;
+  };
+  std::vector<Task> tasks;
+  for (int64_t run = 0; run < runs; ++run)
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t first = 0; first < (starts[run + 1] - starts[run]) * group; first += 16)
+        tasks.push_back({run, kh, first});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     const FlushDenormals flush;
     static thread_local const DecodeTileConfig config;
     _tile_loadconfig(&config);
@@ -419,9 +498,24 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
     static thread_local std::vector<const at::BFloat16*> kt, vt;
     alignas(64) uint16_t qbuf[16 * 256];
     alignas(64) float o[16 * 256];
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t run = task / kvh, kh = task % kvh, b0 = starts[run], b1 = starts[run + 1];
-      const int64_t groups = (*std::max_element(lens + b0, lens + b1) + 15) / 16;
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const int64_t b0 = starts[task.run];
+      const int64_t rows = std::min<int64_t>(16, (starts[task.run + 1] - b0) * group - task.first);
+      at::BFloat16* dst[16];
+      int64_t visible[16], most = 0;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= rows) {
+          std::memset(qbuf + i * d, 0, d * 2);
+          continue;
+        }
+        const int64_t r = task.first + i, b = b0 + r / group, h = task.kh * group + r % group;
+        std::memcpy(qbuf + i * d, qd + b * q.stride(0) + h * q.stride(1), d * 2);
+        dst[i] = od + (b * heads + h) * d;
+        visible[i] = lens[b];
+        most = std::max(most, lens[b]);
+      }
+      const int64_t groups = (most + 15) / 16;
       if (static_cast<int64_t>(s.size()) < 256 * groups) {
         s.resize(256 * groups);
         p.resize(256 * groups);
@@ -429,28 +523,13 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
       kt.resize(groups);
       vt.resize(groups);
       for (int64_t g = 0; g < groups; ++g) {  // each 16 positions' head-block groups
-        const int64_t head_block = (tables[b0 * width + g * 16 / bs] * kvh + kh) * bs * d;
-        kt[g] = kc + head_block + (g * 16 % bs) * d;
-        vt[g] = vc + head_block + (g * 16 % bs) * d;
+        const int64_t head_block =
+            (tables[b0 * width + g * 16 / bs] * kvh + task.kh) * bs * d + (g * 16 % bs) * d;
+        kt[g] = kc + head_block;
+        vt[g] = vc + head_block;
       }
-      const int64_t n = (b1 - b0) * group;  // query rows: (row of the run, query head)
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, n - i0);
-        at::BFloat16* dst[16];
-        int64_t visible[16];
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i >= rows) {
-            std::memset(qbuf + i * d, 0, d * 2);
-            continue;
-          }
-          const int64_t b = b0 + (i0 + i) / group, h = kh * group + (i0 + i) % group;
-          std::memcpy(qbuf + i * d, qd + b * q.stride(0) + h * q.stride(1), d * 2);
-          dst[i] = od + (b * heads + h) * d;
-          visible[i] = lens[b];
-        }
-        attend_tiles(qbuf, rows, visible, kt.data(), vt.data(), d, static_cast<float>(scale),
-                     s.data(), p.data(), o, dst);
-      }
+      attend_tiles(qbuf, rows, visible, kt.data(), vt.data(), d, static_cast<float>(scale),
+                   s.data(), p.data(), o, dst);
     }
     _tile_release();
   });
@@ -472,4 +551,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("prefill_attention_available() -> bool", &conveyor::prefill_attention_available);
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int offset, float scale) -> Tensor",
         &conveyor::prefill_attention);
+  m.def("prefill_attention_tiles(Tensor q, Tensor kv_cache, Tensor block_table, int offset, "
+        "float scale) -> Tensor",
+        &conveyor::prefill_attention_tiles);
 }
