@@ -186,6 +186,7 @@ def test_the_tile_layout_holds_what_the_row_layout_holds(kernels, kv_heads, head
         k_read, v_read = torch.zeros_like(k), torch.zeros_like(v)
         read(k_read, v_read, tiles, slots)
         assert torch.equal(k_read, k) and torch.equal(v_read, v)
+    assert torch.equal(reference.tiles_as_rows(tiles.unsqueeze(0), head_dim)[0], rows)
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,32 @@ def test_the_runner_runs_model_and_sampler_on_one_backend(tiny_llama_dir, kv_fre
     kv_free(llm)
 
 
+def test_switching_to_the_reference_takes_the_cache_back_to_rows(kv_free) -> None:
+    """The default engine (its cache in the tile layout on a CPU with AMX) switched to the
+    reference ops after a request: the cache becomes rows (reference.tiles_as_rows, which
+    keeps what the blocks hold: tests/test_ops.py), and the next request gets the output of
+    an engine that ran the reference from the start."""
+    from conftest_models import default_gguf
+
+    default_gguf()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "Explain why the sky is blue in two sentences."
+
+    def engine() -> LLM:
+        return LLM(kv_cache_memory="32MiB", max_model_len=256)
+
+    fresh = engine()
+    fresh.engine.runner.use_backend(ops.ReferenceBackend())
+    expected = fresh.generate([prompt], greedy)[0].outputs[0].token_ids
+    switched = engine()
+    switched.generate(["The capital of France is"], greedy)
+    switched.engine.runner.use_backend(ops.ReferenceBackend())
+    assert not switched.engine.runner.layout.tiles
+    assert switched.engine.runner.kv_caches.dim() == 6  # [layers, 2, blocks, bs, KVH, D]
+    assert switched.generate([prompt], greedy)[0].outputs[0].token_ids == expected
+    kv_free(switched)
+
+
 def _reaches_torch_ops_conveyor(path: Path) -> list[int]:
     """Lines of ``path`` that name ``torch.ops.conveyor`` in code (docstrings aside)."""
     return [node.lineno for node in ast.walk(ast.parse(path.read_text()))

@@ -6,6 +6,8 @@ Each function has the signature and in-place behaviour of its kernel in csrc/cpu
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -110,6 +112,21 @@ def _int8_views(kv_cache: torch.Tensor, head_dim: int
     v = values[1].unflatten(-1, (bs // 4, head_dim, 4)).permute(0, 2, 4, 1, 3)
     scales = kv_cache[..., bs * head_dim:].view(torch.float32)  # [2, blocks, KVH, bs]
     return k, v, scales[0].transpose(1, 2), scales[1].transpose(1, 2)
+
+
+def tiles_as_rows(kv_caches: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A copy of tile-layout caches [..., 2, blocks, KVH, bs * D] (any leading dims, e.g.
+    layers) in the row layout [..., 2, blocks, bs, KVH, D]."""
+    *lead, _, blocks, kvh, width = kv_caches.shape
+    bs = width // head_dim
+    flat = kv_caches.reshape(math.prod(lead), 2, blocks, kvh, width)
+    rows = torch.empty(flat.shape[0], 2, blocks, bs, kvh, head_dim, dtype=kv_caches.dtype,
+                       device=kv_caches.device)
+    for i in range(flat.shape[0]):
+        k, v = _tiles_views(flat[i], head_dim)
+        rows[i, 0] = k.reshape(blocks, bs, kvh, head_dim)
+        rows[i, 1] = v.reshape(blocks, bs, kvh, head_dim)
+    return rows.view(*lead, 2, blocks, bs, kvh, head_dim)
 
 
 def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

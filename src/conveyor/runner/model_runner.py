@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
 from conveyor.ops import OpsBackend
-from conveyor.ops.reference import kv_cache_shape
+from conveyor.ops.reference import kv_cache_shape, tiles_as_rows
 from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
 from conveyor.runner.sampler import Sampler, SamplingState, make_generator
 from conveyor.runner.transfer import upload
@@ -139,6 +139,7 @@ class ModelRunner:
         # alone samples.
         self.sampling = sampling
         self.device = device
+        self.layout = layout
         self.block_size = layout.block_size
         # kv_caches, and the host copies of swapped-out blocks, indexed like them
         self.kv_caches, self.swap_space = allocate_kv_caches(
@@ -164,7 +165,19 @@ class ModelRunner:
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
-        chose at load; ``ReferenceBackend()`` for a comparison)."""
+        chose at load; ``ReferenceBackend()`` for a comparison). A cache in the tile layout
+        is copied back to rows for a backend that does not read it natively (the reference
+        then runs on its own layout, not on one laid out for AMX), its contents kept."""
+        if self.layout.tiles and not backend.kv_cache_tiles:
+            self.layout = replace(self.layout, tiles=False)
+            d = self.model.config.head_dim
+            self.kv_caches, self.swap_space = (tiles_as_rows(x, d)
+                                               for x in (self.kv_caches, self.swap_space))
+            if self.drafter is not None:
+                d = self.drafter.model.config.head_dim
+                self.drafter.kv_caches, self.drafter.swap_space = (
+                    tiles_as_rows(x, d)
+                    for x in (self.drafter.kv_caches, self.drafter.swap_space))
         self.model.use_backend(backend)
         self.sampler.backend = backend
         if self.drafter is not None:
