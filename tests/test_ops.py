@@ -229,6 +229,8 @@ def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(amx_kernel
     # (positions 100-139) in one call, split over tasks of 16 query rows, against each alone.
     chunk_q, _, _ = _qkv_views(40, heads, kv_heads, head_dim, gen)
     chunk_tables, chunk_lens = tables[7:8].expand(40, -1).contiguous(), torch.arange(101, 141)
+    assert amx_kernels.decode_attention(q[:0], tiles, tables[:0], lens[:0], scale).shape == (
+        0, heads, head_dim)
     chunk = amx_kernels.decode_attention(chunk_q, tiles, chunk_tables, chunk_lens, scale)
     for i in (0, 5, 17, 39):
         assert torch.equal(chunk[i:i + 1], amx_kernels.decode_attention(

@@ -468,6 +468,7 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
                   kv_cache.scalar_type() == at::kBFloat16 && d <= 256,
               "decode_attention: a tile-layout kv_cache needs AMX, bf16 and head_dim <= 256");
   at::Tensor out = at::empty({batch, heads, d}, q.options());
+  if (batch == 0) return out;
 #ifdef CONVEYOR_AMX
   const int64_t kvh = kv_cache.size(2), bs = kv_cache.size(3) / d, group = heads / kvh;
   const int64_t width = block_tables.size(1);
