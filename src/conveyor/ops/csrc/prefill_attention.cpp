@@ -123,6 +123,12 @@ inline void zero_outputs() {
 }
 #endif
 
+// A query row into a tile's row (zeros for nullptr: a row past the last).
+inline void load_query(uint16_t* row, const at::BFloat16* q, int64_t d) {
+  if (q) std::memcpy(row, q, d * 2);
+  else std::memset(row, 0, d * 2);
+}
+
 // Row i of o ([rows][d] float32 sums) divided by sums[i], rounded to bf16 into dst(i).
 template <typename Dst>
 void store_outputs(const float* o, const float* sums, int64_t rows, int64_t d, const Dst& dst) {
@@ -229,12 +235,9 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
       const int64_t h = w / q_blocks, q0 = (w % q_blocks) * 16;
       const int64_t rows = std::min<int64_t>(16, len - q0);
       const uint32_t* vh = vt + (h / group) * packed_v;
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i < rows)
-          std::memcpy(qbuf + i * d, qd + (q0 + i) * q.stride(0) + h * q.stride(1), d * 2);
-        else
-          std::memset(qbuf + i * d, 0, d * 2);
-      }
+      for (int64_t i = 0; i < 16; ++i)
+        load_query(qbuf + i * d, i < rows ? qd + (q0 + i) * q.stride(0) + h * q.stride(1) : nullptr,
+                   d);
       const int64_t visible = offset + q0 + rows;  // keys the last row sees
       for (int64_t kb = 0; kb * 16 < visible; ++kb)  // S = Q K^T
         scores_block(qbuf, d, kgroup(h / group, kb), c_stride, kb, s.data(), width, tiles);
@@ -400,6 +403,28 @@ std::vector<int64_t> runs_of(const int64_t* tables, int64_t width, const int64_t
   return starts;
 }
 
+// A task of decode_attention_tiles: a run, a KV head, and 16 of the run's query rows (row of
+// the run, query head), from `first`; a prefill chunk's rows (one run) spread over threads.
+struct DecodeTask {
+  int64_t run, kh, first;
+};
+
+std::vector<DecodeTask> decode_tasks(const std::vector<int64_t>& starts, int64_t kvh,
+                                     int64_t group) {
+  std::vector<DecodeTask> tasks;
+  for (int64_t run = 0; run + 1 < static_cast<int64_t>(starts.size()); ++run)
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t first = 0; first < (starts[run + 1] - starts[run]) * group; first += 16)
+        tasks.push_back({run, kh, first});
+  return tasks;
+}
+
+// Where positions g * 16 ... of KV head kh start in a plane of the tile layout, in elements.
+inline int64_t group_offset(const int64_t* table, int64_t g, int64_t kh, int64_t kvh,
+                            int64_t bs, int64_t d) {
+  return (table[g * 16 / bs] * kvh + kh) * bs * d + (g * 16 % bs) * d;
+}
+
 // Up to 16 query rows (qbuf) of one KV head against its head-blocks (kt, vt: where each 16
 // positions' K^T and V groups start): row i sees positions [0, visible[i]). S = Q K^T per 16
 // positions, an exact softmax per row (softmax_row), O = P V per 16 positions in tiles of 64
@@ -475,21 +500,11 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const std::vector<int64_t> starts = runs_of(tables, width, lens, batch, bs);
-  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
   const auto* kc = kv_cache.data_ptr<at::BFloat16>();
   const at::BFloat16* vc = kc + kv_cache[0].numel();
   const auto* qd = q.data_ptr<at::BFloat16>();
   auto* od = out.data_ptr<at::BFloat16>();
-  // Tasks: (run, KV head, 16 of the run's query rows), the rows (row of the run, query head)
-  // in order; a prefill chunk's rows (one run) spread over every thread.
-  struct Task {
-    int64_t run, kh, first;
-  };
-  std::vector<Task> tasks;
-  for (int64_t run = 0; run < runs; ++run)
-    for (int64_t kh = 0; kh < kvh; ++kh)
-      for (int64_t first = 0; first < (starts[run + 1] - starts[run]) * group; first += 16)
-        tasks.push_back({run, kh, first});
+  const std::vector<DecodeTask> tasks = decode_tasks(starts, kvh, group);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     const FlushDenormals flush;
     static thread_local const DecodeTileConfig config;
@@ -500,23 +515,18 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
     alignas(64) uint16_t qbuf[16 * 256];
     alignas(64) float o[16 * 256];
     for (int64_t t = t0; t < t1; ++t) {
-      const Task& task = tasks[t];
+      const DecodeTask& task = tasks[t];
       const int64_t b0 = starts[task.run];
       const int64_t rows = std::min<int64_t>(16, (starts[task.run + 1] - b0) * group - task.first);
       at::BFloat16* dst[16];
-      int64_t visible[16], most = 0;
+      int64_t visible[16];
       for (int64_t i = 0; i < 16; ++i) {
-        if (i >= rows) {
-          std::memset(qbuf + i * d, 0, d * 2);
-          continue;
-        }
         const int64_t r = task.first + i, b = b0 + r / group, h = task.kh * group + r % group;
-        std::memcpy(qbuf + i * d, qd + b * q.stride(0) + h * q.stride(1), d * 2);
-        dst[i] = od + (b * heads + h) * d;
-        visible[i] = lens[b];
-        most = std::max(most, lens[b]);
+        load_query(qbuf + i * d, i < rows ? qd + b * q.stride(0) + h * q.stride(1) : nullptr, d);
+        dst[i] = i < rows ? od + (b * heads + h) * d : nullptr;
+        visible[i] = i < rows ? lens[b] : 0;
       }
-      const int64_t groups = (most + 15) / 16;
+      const int64_t groups = (*std::max_element(visible, visible + rows) + 15) / 16;
       if (static_cast<int64_t>(s.size()) < 256 * groups) {
         s.resize(256 * groups);
         p.resize(256 * groups);
@@ -524,10 +534,8 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
       kt.resize(groups);
       vt.resize(groups);
       for (int64_t g = 0; g < groups; ++g) {  // each 16 positions' head-block groups
-        const int64_t head_block =
-            (tables[b0 * width + g * 16 / bs] * kvh + task.kh) * bs * d + (g * 16 % bs) * d;
-        kt[g] = kc + head_block;
-        vt[g] = vc + head_block;
+        kt[g] = kc + group_offset(tables + b0 * width, g, task.kh, kvh, bs, d);
+        vt[g] = vc + (kt[g] - kc);
       }
       attend_tiles(qbuf, rows, visible, kt.data(), vt.data(), d, static_cast<float>(scale),
                    s.data(), p.data(), o, dst);
