@@ -136,8 +136,8 @@ def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     t, kvh, d = k.shape
     if is_tiles(kv_cache):
         k_tiles, v_tiles = _tiles_views(kv_cache, d)
-        block, offset = slot_mapping // (kv_cache.shape[-1] // d), slot_mapping % (
-            kv_cache.shape[-1] // d)
+        bs = kv_cache.shape[-1] // d
+        block, offset = slot_mapping // bs, slot_mapping % bs
         k_tiles[block, offset // 16, offset % 16] = k.view(t, kvh, d // 32, 16, 2)
         v_tiles[block, offset // 2, offset % 2] = v
         return

@@ -15,8 +15,9 @@ namespace conveyor {
 bool amx_available();
 
 #ifdef CONVEYOR_AMX
-// Every kernel uses all 8 tiles at their largest: 16 rows x 64 bytes (16 x 32 bf16, or
-// 16 x 16 float32 / bf16 pairs). Load per task with _tile_loadconfig; oneDNN loads its own.
+// All 8 tiles at their largest: 16 rows x 64 bytes (16 x 32 bf16, or 16 x 16 float32 / bf16
+// pairs), as the kernels use them (decode attention over the tile layout narrows two, in a
+// config derived from this one). Load per task with _tile_loadconfig; oneDNN loads its own.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};

@@ -123,6 +123,13 @@ inline void zero_outputs() {
 }
 #endif
 
+// Where positions g * 16 ... of KV head kh start in a plane of the tile layout (ops/reference.py), in
+// elements; `table` holds the blocks of positions 0, 1, ...
+inline int64_t group_offset(const int64_t* table, int64_t g, int64_t kh, int64_t kvh,
+                            int64_t bs, int64_t d) {
+  return (table[g * 16 / bs] * kvh + kh) * bs * d + (g * 16 % bs) * d;
+}
+
 // A query row into a tile's row (zeros for nullptr: a row past the last).
 inline void load_query(uint16_t* row, const at::BFloat16* q, int64_t d) {
   if (q) std::memcpy(row, q, d * 2);
@@ -339,7 +346,7 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cac
   const auto* kc = reinterpret_cast<const uint32_t*>(kv_cache.data_ptr<at::BFloat16>());
   const uint32_t* vc = kc + kv_cache[0].numel() / 2;
   auto group_of = [&](const uint32_t* plane, int64_t h, int64_t kb) {  // 16 keys' words
-    return plane + ((table[kb * 16 / bs] * kvh + h) * bs + kb * 16 % bs) * d / 2;
+    return plane + group_offset(table, kb, h, kvh, bs, d) / 2;
   };
   const int64_t pair_blocks = (keys + 31) / 32, packed_v = pair_blocks * (d / 16) * 256;
   std::vector<uint32_t> vt(static_cast<size_t>(kvh * packed_v));
@@ -369,15 +376,8 @@ namespace {
 
 // The tiles of decode_attention_tiles: 0 Q (16 rows x 32 dims), 1 K^T (16 dim pairs x 16
 // positions), 2 P (16 rows x 16 positions), 3 V (8 position pairs x 16 dims), 4-7 S or O.
-struct alignas(64) DecodeTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+struct DecodeTileConfig : TileConfig {
   DecodeTileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      rows[t] = 16;
-      colsb[t] = 64;
-    }
     colsb[2] = 32;
     rows[3] = 8;
   }
@@ -417,12 +417,6 @@ std::vector<DecodeTask> decode_tasks(const std::vector<int64_t>& starts, int64_t
       for (int64_t first = 0; first < (starts[run + 1] - starts[run]) * group; first += 16)
         tasks.push_back({run, kh, first});
   return tasks;
-}
-
-// Where positions g * 16 ... of KV head kh start in a plane of the tile layout, in elements.
-inline int64_t group_offset(const int64_t* table, int64_t g, int64_t kh, int64_t kvh,
-                            int64_t bs, int64_t d) {
-  return (table[g * 16 / bs] * kvh + kh) * bs * d + (g * 16 % bs) * d;
 }
 
 // Up to 16 query rows (qbuf) of one KV head against its head-blocks (kt, vt: where each 16
