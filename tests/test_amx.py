@@ -3,8 +3,9 @@ oneDNN on the same weights. (Prefill attention, with AMX tiles or without: test_
 
 The matmul kernel rebuilds the bf16 weights the loader makes of the blocks (gguf-py's dequantization,
 then rounding to bf16) and multiplies them in the order oneDNN's AMX kernel does, so every
-result must be bit-identical to oneDNN's: that is what lets the engine switch between the two
-by batch size without changing any output. The kernel needs AMX-BF16; without it the engine
+result must be bit-identical to oneDNN's on up to 64 rows, and a row's result must not depend
+on how many rows share the call: that is what lets the engine switch between the two by batch
+size without changing any output. The kernel needs AMX-BF16; without it the engine
 keeps the bf16 weights and these tests skip.
 """
 
@@ -50,21 +51,43 @@ def test_quantized_linear_is_bit_identical_to_onednn(qops, qtype, rows) -> None:
     assert torch.equal(qops.quantized_linear(x, blocks, bias), onednn(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [65, 80, 130, 300])
+def test_quantized_linear_gives_a_row_the_same_bits_in_any_batch(qops, rows) -> None:
+    """Past 64 rows (4 accumulator tiles) the kernel sweeps the weights once per 64 tokens;
+    every row still gets the bits it gets alone, which are oneDNN's for that row."""
+    qtype = GGMLQuantizationType.Q4_0
+    raw = random_blocks(qtype, 48, 576, seed=rows)
+    weight = bf16_weight(raw, qtype)
+    blocks = qops.pack_block_weights(torch.from_numpy(raw), int(qtype))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    together = qops.quantized_linear(x, blocks, bias)
+    for start in range(0, rows, 64):
+        piece = x[start:start + 64]
+        assert torch.equal(together[start:start + 64], onednn(piece, weight, bias))
+    for row in (0, 63, 64, rows - 1):
+        assert torch.equal(together[row:row + 1], qops.quantized_linear(x[row:row + 1], blocks, bias))
+
+
 def test_linear_picks_blocks_or_packed_weight_with_the_same_results(qops) -> None:
-    """ops.linear reads the blocks up to quantized_linear_max_rows rows, oneDNN beyond."""
+    """ops.linear reads the blocks up to quantized_linear_max_rows rows, oneDNN beyond (where
+    oneDNN's one call gives the rows the bits of smaller calls, else halves): a row's result
+    is the same in every batch."""
     qtype = GGMLQuantizationType.Q4_1
     raw = random_blocks(qtype, 48, 576, seed=3)
     weight = bf16_weight(raw, qtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
     blocks = qops.pack_block_weights(torch.from_numpy(raw), int(qtype))
     limit = qops.quantized_linear_max_rows()
+    assert limit >= 64
     x = torch.randn(limit + 30, 576).to(torch.bfloat16)
     together = qops.linear(x, packed, blocks, None)  # too many rows: oneDNN
-    assert torch.equal(together, onednn(x, weight, None))
-    for rows in (1, limit):
+    assert torch.equal(together[:64], onednn(x[:64], weight, None))
+    for rows in (1, 64, 65, limit):
         assert torch.equal(qops.linear(x[:rows], packed, blocks, None), together[:rows])
-    with pytest.raises(RuntimeError, match="rows"):
-        qops.quantized_linear(x, blocks, None)
+    with pytest.raises(RuntimeError, match="row"):
+        qops.quantized_linear(x[:0], blocks, None)
 
 
 def test_pack_block_weights_refuses_what_it_cannot_read(qops) -> None:

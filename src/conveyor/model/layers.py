@@ -28,7 +28,8 @@ class PackedLinear(nn.Module):
       wants, which makes the small-batch matmuls of a decode step ~1.4x faster with
       bit-identical bf16 results. With ``use_blocks`` (AMX), batches of up to
       ``quantized_linear_max_rows`` rows read the GGUF blocks (``ops.quantized_linear``), which
-      gives oneDNN's bits from a third to half of the bytes. Larger batches run oneDNN in one
+      gives every row the bits oneDNN gives it alone, from a third to half of the bytes, and
+      never pays oneDNN's first call at a new row count. Larger batches run oneDNN in one
       call where that gives each row the bits of smaller calls, else in halves: oneDNN's
       algorithm, and with it a row's last bits, changes with the number of rows (checked per
       row count at its first call, ``linear`` in ``csrc/cpu_ops.cpp``).
@@ -85,7 +86,8 @@ class PackedLinear(nn.Module):
         inputs. False (and unchanged) otherwise.
 
         - AMX: batches of up to ``quantized_linear_max_rows`` rows, bit-identical to oneDNN
-          on the bf16 weight (checked at 1, 13 and that many rows).
+          on the bf16 weight (checked at 1, 13 and 64 rows: oneDNN's own bits for a row
+          change with the batch above 64 rows, and the kernel's do not).
         - Dot kernels (bf16 or float32): every batch, on the exact GGUF weights, so the results
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
         """
@@ -102,7 +104,7 @@ class PackedLinear(nn.Module):
                     return False
         else:
             blocks = cpu_kernels.pack_block_weights(raw, qtype)
-            for rows in sorted({1, 13, cpu_kernels.quantized_linear_max_rows()}):
+            for rows in (1, 13, 64):
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
                 got = cpu_kernels.quantized_linear(x, blocks, self.bias)
                 if not torch.equal(got, self.dense(x)):

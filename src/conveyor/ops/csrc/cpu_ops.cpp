@@ -1313,8 +1313,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
 
-// A oneDNN-packed matmul of at most kQuantizedMaxRows rows: from the GGUF blocks when it has
-// them (quant_linear.cpp, AMX: bit-identical, fewer bytes read), else oneDNN.
+// A oneDNN-packed matmul of a few rows: from the GGUF blocks when it has them (quant_linear.cpp,
+// AMX: bit-identical, fewer bytes read, any number of rows), else oneDNN's one call, which
+// gives every row the same bits up to kOneDnnSmallRows rows.
+constexpr int64_t kOneDnnSmallRows = 64;
+
+int64_t small_rows(const std::optional<at::Tensor>& blocks) {
+  return blocks.has_value() ? conveyor::kQuantizedMaxRows : kOneDnnSmallRows;
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,
                         const std::optional<at::Tensor>& blocks,
                         const std::optional<at::Tensor>& b) {
@@ -1325,11 +1332,13 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,
 // oneDNN picks its algorithm by the call's shape and thread count, and with it a row's last
 // bits: on a 2-core AMX Xeon its bf16 matmul with 1536 inputs and 576 outputs gave other bits
 // at 150-256 rows than at 1-149 or 257-2048, so a row's result depended on its batch. So the
-// first call of each row count M > kQuantizedMaxRows for a weight shape (and thread count)
+// first call of each row count M above small_rows for a weight shape (and thread count)
 // computes the rows in small calls and keeps oneDNN's one call for that M only if it gave
 // every row the same bits; else that M always runs as two halves (each one a call of this
 // function). The verdict is per shape, so the model's 30 layers share it, and a first call
-// costs one layer about a small-call pass more (1-3 ms at 150-800 rows on a 2-core Xeon).
+// costs one layer about a small-call pass more (1-3 ms at 150-800 rows on a 2-core Xeon),
+// besides oneDNN's own first call at a new shape (~1 ms a weight shape: it builds a
+// primitive). Up to kQuantizedMaxRows rows, weights with GGUF blocks pay neither.
 using RowsKey = std::tuple<int64_t, int64_t, bool, int, int64_t>;  // N, K, blocks, threads, M
 std::mutex one_call_mutex;
 std::map<RowsKey, bool>& one_call_verdicts() {
@@ -1340,8 +1349,8 @@ std::map<RowsKey, bool>& one_call_verdicts() {
 at::Tensor large_linear(const at::Tensor& x, const at::Tensor& packed,
                         const std::optional<at::Tensor>& blocks,
                         const std::optional<at::Tensor>& b) {
-  const int64_t rows = x.size(0);
-  if (rows <= conveyor::kQuantizedMaxRows) return small_linear(x, packed, blocks, b);
+  const int64_t rows = x.size(0), most = small_rows(blocks);
+  if (rows <= most) return small_linear(x, packed, blocks, b);
   const RowsKey key{packed.size(0), packed.size(1), blocks.has_value(), at::get_num_threads(),
                     rows};
   std::optional<bool> one_call;
@@ -1356,9 +1365,9 @@ at::Tensor large_linear(const at::Tensor& x, const at::Tensor& packed,
     return at::cat({large_linear(x.narrow(0, 0, half), packed, blocks, b),
                     large_linear(x.narrow(0, half, rows - half), packed, blocks, b)});
   }
-  // The first call of this row count: small calls (the fewest passes of at most
-  // kQuantizedMaxRows, all alike), and oneDNN's one call to compare with them.
-  const conveyor::TokenPasses passes(rows, conveyor::kQuantizedMaxRows);
+  // The first call of this row count: small calls (the fewest passes of at most `most`, all
+  // alike), and oneDNN's one call to compare with them.
+  const conveyor::TokenPasses passes(rows, most);
   std::vector<at::Tensor> parts;
   for (int64_t i = 0; i < passes.count; ++i) {
     const int64_t start = passes.begin(i);

@@ -1,8 +1,9 @@
-// Matmuls that read GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) in place, for decode steps.
+// Matmuls that read GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) in place, for decode steps
+// and steps of up to kQuantizedMaxRows tokens.
 //
 // A decode step is bound by reading the weights: bf16 copies cost 2 bytes per weight, the
 // GGUF blocks 0.56-1.06. The loader still dequantizes every weight to the engine's dtype (the
-// model is defined by those values, and prefill chunks run oneDNN on them); these kernels
+// model is defined by those values, and steps of more tokens run oneDNN on them); these kernels
 // rebuild exactly the same bf16 values from the blocks, 16 output rows x 32 inputs at a time,
 // in registers, and multiply them with AMX tiles in the same order oneDNN's AMX kernel does,
 // so the results are bit-identical to it (checked at load on every weight, and in the tests).
@@ -11,7 +12,8 @@
 //
 // The product is computed transposed, C^T = W x^T: the weight tile is AMX's first operand
 // (16 rows x 32 inputs, as dequantized), x^T its second (pairs of inputs x 16 tokens, packed
-// once per call), and up to 4 accumulator tiles hold 64 tokens.
+// once per call), and 4 accumulator tiles hold 64 tokens; more tokens go in groups of 64
+// (linear_tiles).
 
 #include "quant_linear.h"
 
@@ -22,8 +24,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -96,70 +100,110 @@ void pack_tokens(uint32_t* out, const at::Tensor& x, int64_t token_tiles) {
     _tile_dpbf16ps(acc, 0, src);           \
   } while (0)
 
-template <int64_t Type, int TokenTiles>
+// Accumulators 2.. 2 + TT - 1 = one row tile (16 outputs) x TT token tiles (starting at token
+// tile `first`) over all input blocks; weight_tile(b) returns block b's dequantized tile.
+template <int TT, typename WeightTile>
+inline void row_tile_products(WeightTile&& weight_tile, const uint32_t* xt, int64_t token_tiles,
+                              int64_t first, int64_t blocks) {
+  _tile_zero(2);
+  if constexpr (TT > 1) _tile_zero(3);
+  if constexpr (TT > 2) _tile_zero(4);
+  if constexpr (TT > 3) _tile_zero(5);
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_loadd(0, weight_tile(b), 64);
+    const uint32_t* xb = xt + (b * token_tiles + first) * 256;
+    CONVEYOR_ACCUMULATE(2, 1, xb);
+    if constexpr (TT > 1) CONVEYOR_ACCUMULATE(3, 6, xb + 256);
+    if constexpr (TT > 2) CONVEYOR_ACCUMULATE(4, 1, xb + 512);
+    if constexpr (TT > 3) CONVEYOR_ACCUMULATE(5, 6, xb + 768);
+  }
+}
+
+// Accumulator tile 2 + tt (of row tile t, token tile first + tt) -> y as bf16, plus the bias.
+inline void store_token_tile(at::BFloat16* y, const float* bias, int64_t t, int64_t token0,
+                             int tt, int64_t m, int64_t n) {
+  alignas(64) float c[16 * 16];
+  switch (tt) {
+    case 0: _tile_stored(2, c, 64); break;
+    case 1: _tile_stored(3, c, 64); break;
+    case 2: _tile_stored(4, c, 64); break;
+    default: _tile_stored(5, c, 64); break;
+  }
+  // c is [16 rows][16 tokens]; transposed, r[j] holds token j's 16 outputs.
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * 16);
+  transpose16x16(r);
+  const __m512 b16 = bias ? _mm512_loadu_ps(bias + t * 16) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < 16 && token0 + j < m; ++j) {
+    const __m512 v = bias ? _mm512_add_ps(r[j], b16) : r[j];
+    _mm256_storeu_si256((__m256i*)(y + (token0 + j) * n + t * 16), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// One group of TT token tiles of row tile t: products, then the stores.
+template <int TT, typename WeightTile>
+inline void token_group(WeightTile&& weight_tile, at::BFloat16* y, const uint32_t* xt,
+                        const float* bias, int64_t t, int64_t first, int64_t token_tiles,
+                        int64_t m, int64_t n, int64_t blocks) {
+  row_tile_products<TT>(weight_tile, xt, token_tiles, first, blocks);
+  for (int tt = 0; tt < TT; ++tt) store_token_tile(y, bias, t, (first + tt) * 16, tt, m, n);
+}
+
+template <typename WeightTile>
+void token_group_of(int64_t tiles, WeightTile&& weight_tile, at::BFloat16* y, const uint32_t* xt,
+                    const float* bias, int64_t t, int64_t first, int64_t token_tiles, int64_t m,
+                    int64_t n, int64_t blocks) {
+  switch (tiles) {
+    case 1: return token_group<1>(weight_tile, y, xt, bias, t, first, token_tiles, m, n, blocks);
+    case 2: return token_group<2>(weight_tile, y, xt, bias, t, first, token_tiles, m, n, blocks);
+    case 3: return token_group<3>(weight_tile, y, xt, bias, t, first, token_tiles, m, n, blocks);
+    default: return token_group<4>(weight_tile, y, xt, bias, t, first, token_tiles, m, n, blocks);
+  }
+}
+
+// Every row tile of W x every token, in groups of up to 64 tokens (4 accumulator tiles): the
+// first group dequantizes each record as it streams it; with more tokens it keeps the row
+// tile's dequantized records in a buffer (blocks x 1 KB, in L1/L2) that the later groups
+// sweep. Either way each output
+// is the same sum of the same tile products in the same order, so a token's result never
+// depends on how many tokens share the call.
+template <int64_t Type>
 void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
-                  int64_t m, int64_t n, int64_t blocks) {
+                  int64_t m, int64_t n, int64_t blocks, int64_t token_tiles) {
   const int64_t record = block_format(Type).record_bytes, row_tiles = n / 16;
+  const int64_t groups = (token_tiles + 3) / 4;
   // Row tiles split over the threads, at least 8 per task (a small matmul stays on one).
   at::parallel_for(0, row_tiles, 8, [&](int64_t t0, int64_t t1) {
     // Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
     // tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
     load_tile_config();
-    alignas(64) uint16_t tiles[2][16 * 32];
-    alignas(64) float c[16 * 16];
+    std::vector<uint16_t> buffer(static_cast<size_t>(groups > 1 ? blocks : 2) * 512 + 32);
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t t = t0; t < t1; ++t) {
-      _tile_zero(2);
-      if constexpr (TokenTiles > 1) _tile_zero(3);
-      if constexpr (TokenTiles > 2) _tile_zero(4);
-      if constexpr (TokenTiles > 3) _tile_zero(5);
       const uint8_t* rec = w + t * blocks * record;
-      for (int64_t b = 0; b < blocks; ++b, rec += record) {
+      // The first group streams the records, dequantizing each into the buffer; later groups
+      // read the buffer.
+      auto streamed = [&](int64_t b) {
         // The task streams its records in order; asking for them 8 records (2.3-4.3 KB)
         // ahead keeps more of them in flight than the hardware prefetcher does: ~1.3x.
-        const char* ahead = reinterpret_cast<const char*>(rec + 8 * record);
+        const uint8_t* r = rec + b * record;
+        const char* ahead = reinterpret_cast<const char*>(r + 8 * record);
         for (int64_t line = 0; line < record; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        // Two tile buffers: the next record's stores need not wait for this tile's load.
-        uint16_t* tile = tiles[b % 2];
-        dequantize_record<Type>(rec, tile, 32);
-        _tile_loadd(0, tile, 64);
-        const uint32_t* xb = xt + b * TokenTiles * 256;
-        CONVEYOR_ACCUMULATE(2, 1, xb);
-        if constexpr (TokenTiles > 1) CONVEYOR_ACCUMULATE(3, 6, xb + 256);
-        if constexpr (TokenTiles > 2) CONVEYOR_ACCUMULATE(4, 1, xb + 512);
-        if constexpr (TokenTiles > 3) CONVEYOR_ACCUMULATE(5, 6, xb + 768);
-      }
-      const __m512 b16 = bias ? _mm512_loadu_ps(bias + t * 16) : _mm512_setzero_ps();
-      for (int64_t tt = 0; tt < TokenTiles; ++tt) {
-        switch (tt) {
-          case 0: _tile_stored(2, c, 64); break;
-          case 1: _tile_stored(3, c, 64); break;
-          case 2: _tile_stored(4, c, 64); break;
-          default: _tile_stored(5, c, 64); break;
-        }
-        // c is [16 rows][16 tokens]; transposed, r[j] holds token j's 16 outputs.
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * 16);
-        transpose16x16(r);
-        for (int64_t j = 0; j < 16 && tt * 16 + j < m; ++j) {
-          const __m512 v = bias ? _mm512_add_ps(r[j], b16) : r[j];
-          _mm256_storeu_si256((__m256i*)(y + (tt * 16 + j) * n + t * 16),
-                              (__m256i)_mm512_cvtneps_pbh(v));
-        }
-      }
+        // Alone, two tile buffers: the next record's stores need not wait for this tile's load.
+        uint16_t* tile = tiles + (groups > 1 ? b : b % 2) * 512;
+        dequantize_record<Type>(r, tile, 32);
+        return tile;
+      };
+      auto buffered = [&](int64_t b) { return tiles + b * 512; };
+      token_group_of(std::min<int64_t>(4, token_tiles), streamed, y, xt, bias, t, 0, token_tiles,
+                     m, n, blocks);
+      for (int64_t g = 1; g < groups; ++g)
+        token_group_of(std::min<int64_t>(4, token_tiles - 4 * g), buffered, y, xt, bias, t, 4 * g,
+                       token_tiles, m, n, blocks);
     }
     _tile_release();
   });
-}
-
-template <int64_t Type>
-void linear_dispatch(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
-                     int64_t m, int64_t n, int64_t blocks, int64_t token_tiles) {
-  switch (token_tiles) {
-    case 1: return linear_tiles<Type, 1>(y, xt, w, bias, m, n, blocks);
-    case 2: return linear_tiles<Type, 2>(y, xt, w, bias, m, n, blocks);
-    case 3: return linear_tiles<Type, 3>(y, xt, w, bias, m, n, blocks);
-    default: return linear_tiles<Type, 4>(y, xt, w, bias, m, n, blocks);
-  }
 }
 
 #endif  // CONVEYOR_AMX
@@ -188,8 +232,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
               "quantized_linear: x must be bf16 [rows, ", k, "], got ", x.sizes(), " ",
               x.scalar_type());
   const int64_t m = x.size(0);
-  TORCH_CHECK(m >= 1 && m <= kQuantizedMaxRows, "quantized_linear: 1 to ", kQuantizedMaxRows,
-              " rows, got ", m);
+  TORCH_CHECK(m >= 1, "quantized_linear: at least one row, got ", m);
   at::Tensor bias_f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "quantized_linear: bias must be [", n, "]");
@@ -206,9 +249,9 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
   auto* out = y.data_ptr<at::BFloat16>();
   const auto* wd = w.data_ptr<uint8_t>();
   switch (type) {
-    case kQ4_0: linear_dispatch<kQ4_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
-    case kQ4_1: linear_dispatch<kQ4_1>(out, xt, wd, b, m, n, blocks, token_tiles); break;
-    default: linear_dispatch<kQ8_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+    case kQ4_0: linear_tiles<kQ4_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+    case kQ4_1: linear_tiles<kQ4_1>(out, xt, wd, b, m, n, blocks, token_tiles); break;
+    default: linear_tiles<kQ8_0>(out, xt, wd, b, m, n, blocks, token_tiles); break;
   }
 #endif
   return y;
