@@ -414,7 +414,7 @@ def test_fit_server_terms_recovers_step_and_token_costs() -> None:
     assert min(fit_server_terms(fast).values()) == 0.0
     # Where the server reported its own TTFT, the front end is the gap to it, whatever the
     # simulated engine made of the lone prefill (here 20 ms too fast).
-    measured = [dataclasses.replace(r, engine_ttft=r.engine_ttft - 0.020, client_ttft_mean=0.5,
-                                    server_ttft_mean=0.5 - 0.004 - 0.002 - 0.0004)
+    measured = [dataclasses.replace(r, engine_ttft=r.engine_ttft - 0.020,
+                                    front_end=0.004 + 0.002 + 0.0004)
                 if r.batch == 1 else r for r in runs]
     assert fit_server_terms(measured)["server_request"] == pytest.approx(0.004)

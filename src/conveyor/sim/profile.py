@@ -41,6 +41,8 @@ from conveyor.sim.cost import (
 from conveyor.sim.simulator import SimRequest, SimSetup, simulate
 
 if TYPE_CHECKING:
+    from conveyor.bench.datasets import SampleRequest
+    from conveyor.bench.metrics import RequestRecord
     from conveyor.runner.model_runner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -247,12 +249,13 @@ def format_profile(profile: Profile, path: str) -> str:
 class ServeGrid:
     """The short real serve run that prices the server's own work: for each batch B, B
     streamed requests of `prompt_len` token ids sent at once, `output_len` tokens each
-    (ignore_eos); at B = 1, `lone_requests` requests one after another."""
+    (ignore_eos); at B = 1, `lone_requests` requests one after another (the front end is
+    their median)."""
 
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 64
     output_len: int = 32
-    lone_requests: int = 3
+    lone_requests: int = 8
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or 1 not in self.batches:
@@ -277,27 +280,52 @@ def _sim_setup(engine: LLMEngine) -> SimSetup:
 def _serve_batch(url: str, grid: ServeGrid, batch: int, setup: SimSetup,
                  cost: MeasuredCost, rng: random.Random, vocab: int) -> ServeRun:
     from conveyor.bench.datasets import SampleRequest
-    from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 
     prompts = [_prompt(rng, vocab, grid.prompt_len)["prompt_token_ids"]
                for _ in range(grid.lone_requests if batch == 1 else batch)]
     samples = [SampleRequest(p, grid.prompt_len, grid.output_len) for p in prompts]
+    front_ends: list[float] = []
+    if batch == 1:
+        records = _lone_requests(url, samples, front_ends)
+    else:
+        records = _send(url, samples, None)
     concurrency = 1 if batch == 1 else None
-    before = _server_ttft(url)
+    sims = [SimRequest(str(i), 0.0, p, grid.output_len) for i, p in enumerate(prompts)]
+    run = simulate(setup, cost, sims, max_concurrency=concurrency)
+    return ServeRun(batch, statistics.median(r.ttft for r in records),
+                    statistics.median(r.tpot or 0.0 for r in records),
+                    statistics.median(r.record.ttft for r in run.requests),
+                    statistics.median(r.record.tpot or 0.0 for r in run.requests),
+                    front_end=statistics.median(front_ends) if front_ends else None)
+
+
+def _send(url: str, samples: list[SampleRequest], concurrency: int | None
+          ) -> list[RequestRecord]:
+    """`bench serve`'s client on these requests (streamed, ignore_eos): their records."""
+    from conveyor.bench.serve import BenchmarkConfig, run_benchmark
+
     real = asyncio.run(run_benchmark(BenchmarkConfig(
         base_url=url, ignore_eos=True, show_progress=False, max_concurrency=concurrency),
         samples))
     if real.metrics.completed != len(samples):
         raise RuntimeError(f"the profile's serve run failed: {real.first_error}")
-    total, count = (a - b for a, b in zip(_server_ttft(url), before, strict=True))
-    sims = [SimRequest(str(i), 0.0, p, grid.output_len) for i, p in enumerate(prompts)]
-    run = simulate(setup, cost, sims, max_concurrency=concurrency)
-    return ServeRun(batch, statistics.median(r.ttft for r in real.records),
-                    statistics.median(r.tpot or 0.0 for r in real.records),
-                    statistics.median(r.record.ttft for r in run.requests),
-                    statistics.median(r.record.tpot or 0.0 for r in run.requests),
-                    client_ttft_mean=statistics.mean(r.ttft for r in real.records),
-                    server_ttft_mean=total / count if count == len(samples) else None)
+    return real.records
+
+
+def _lone_requests(url: str, samples: list[SampleRequest], front_ends: list[float]
+                   ) -> list[RequestRecord]:
+    """Each request alone, one after another: their records; appends to `front_ends` each
+    one's client TTFT less the server's own (the server's histogram read before and after
+    it), where /metrics could be read."""
+    records = []
+    for sample in samples:
+        before = _server_ttft(url)
+        (record,) = _send(url, [sample], 1)
+        total, count = (a - b for a, b in zip(_server_ttft(url), before, strict=True))
+        if count == 1:
+            front_ends.append(record.ttft - total)
+        records.append(record)
+    return records
 
 
 def _server_ttft(url: str) -> tuple[float, float]:
