@@ -126,6 +126,9 @@ class FixedCost:
     def step_time(self, shape: StepShape) -> float:
         return 0.001 + 0.0001 * shape.num_tokens if shape.num_seqs else 0.0
 
+    def idle_time(self, idle_s: float) -> float:
+        return 0.0
+
     def describe(self) -> dict[str, object]:
         return {"cost_model": "fixed", "device": "test", "tp": 1}
 
@@ -380,6 +383,27 @@ def test_measured_cost_prices_the_servers_tokens_and_requests() -> None:
     run = simulate(_setup(), cost, _requests(3, prompt=8, output=2))
     assert [r.admit_at for r in run.requests] == pytest.approx([0.003, 0.006, 0.009])
     assert run.records[2].ttft > 0.009
+
+
+def test_the_first_step_after_an_idle_spell_pays_the_profiles_idle_cost() -> None:
+    """A step that starts after the engine ran out of work pays the measured idle cost in
+    proportion to the gap (up to the gap it was measured after); steps of a busy engine
+    do not."""
+    profile = _profile(idle_step_s=0.010, idle_gap_s=1.0)
+    cost = MeasuredCost(profile)
+    assert cost.idle_time(2.0) == pytest.approx(0.010)
+    assert cost.idle_time(0.25) == pytest.approx(0.0025)
+    assert MeasuredCost(_profile()).idle_time(5.0) == 0.0  # not measured: no cost
+    requests = _requests(3, prompt=8, output=3, gap=2.0)
+    idle, plain = simulate(_setup(), cost, requests), simulate(_setup(), MeasuredCost(_profile()),
+                                                               _requests(3, prompt=8, output=3,
+                                                                         gap=2.0))
+    # The first request finds an engine idle since the start (time 0): no gap, no cost; the
+    # later ones arrive 2 s after the previous one ended, less its run time.
+    assert idle.records[0].ttft == pytest.approx(plain.records[0].ttft)
+    for a, b in zip(idle.records[1:], plain.records[1:], strict=True):
+        assert a.ttft == pytest.approx(b.ttft + 0.010)
+        assert a.itl == pytest.approx(b.itl)  # only the first step after the spell
 
 
 def test_the_front_end_stalls_a_busy_engine() -> None:

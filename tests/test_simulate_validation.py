@@ -35,12 +35,13 @@ def _simulate_and_serve(model: str, tmp_path: Path,
                         capsys: pytest.CaptureFixture[str]) -> tuple[dict, dict]:
     """The workload simulated with this machine's profile, then served for real."""
     grid = ProfileGrid(batches=(1, 8, 24), context_lens=(32, 96), prefill_tokens=(16, 128),
-                       steps=2)
+                       steps=2, idle_gap_s=0.05, idle_pairs=2)
     serve = ServeGrid(batches=(1, 8, 24), prompt_len=48, output_len=24)
     profile = run_profile(EngineArgs(model=model, dtype="float32", kv_cache_memory=KV,
                                      max_model_len=512), grid, serve)
     assert set(profile.server_coefficients) == {"server_step", "server_token",
                                                 "server_request"}
+    assert profile.idle_gap_s == 0.05 and profile.idle_step_s >= 0.0
     path = tmp_path / "profile.json"
     profile.save(path)
 

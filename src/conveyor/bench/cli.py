@@ -211,14 +211,20 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 def _register_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time engine steps over a grid of shapes and fit the "
                        "step cost model of `conveyor simulate --cost-model measured`")
+    from conveyor.sim.profile import ProfileGrid
+
+    grid = ProfileGrid()
     p.add_argument("--output", required=True, help="the profile file (JSON) to write")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64],
+    p.add_argument("--batches", type=int, nargs="+", default=list(grid.batches),
                    help="decode batch sizes")
-    p.add_argument("--context-lens", type=int, nargs="+", default=[128, 320],
+    p.add_argument("--context-lens", type=int, nargs="+", default=list(grid.context_lens),
                    help="context tokens of the decoding sequences")
-    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[32, 128, 512],
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=list(grid.prefill_tokens),
                    help="prompt tokens computed alongside the decodes")
-    p.add_argument("--steps", type=int, default=3, help="timed decode steps per point")
+    p.add_argument("--steps", type=int, default=grid.steps, help="timed decode steps per point")
+    p.add_argument("--idle-gap", type=float, default=grid.idle_gap_s,
+                   help="seconds without a step before the lone prefills that price the "
+                        "first step after an idle spell (0: not measured)")
     p.add_argument("--serve-batches", type=int, nargs="+", default=[1, 8, 32],
                    help="the server's terms: streamed requests sent at once through a short "
                         "real `conveyor serve` run (1: lone requests)")
@@ -233,7 +239,8 @@ def run_profile_cmd(args: argparse.Namespace) -> int:
     from conveyor.sim.profile import ProfileGrid, ServeGrid, format_profile, run_profile
 
     grid = ProfileGrid(batches=tuple(args.batches), context_lens=tuple(args.context_lens),
-                       prefill_tokens=tuple(args.prefill_tokens), steps=args.steps)
+                       prefill_tokens=tuple(args.prefill_tokens), steps=args.steps,
+                       idle_gap_s=args.idle_gap)
     serve = None if args.no_serve else ServeGrid(batches=tuple(args.serve_batches))
     profile = run_profile(engine_args_from(args), grid, serve)
     profile.save(args.output)

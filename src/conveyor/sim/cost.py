@@ -12,7 +12,8 @@ model turns it into seconds:
 - ``MeasuredCost``: a profile written by ``conveyor bench profile`` on this machine, a linear
   model in six terms fitted by least squares (see ``TERMS``), plus the server's own work
   when the profile measured a short real serve run (see ``SERVER_TERMS``): per step and per
-  streamed token inside the step, and a per-request front-end time before the engine.
+  streamed token inside the step, and a per-request front-end time before the engine; and
+  what the first step after an idle spell costs more (``MeasuredCost.idle_time``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class CostModel(Protocol):
         (one request at a time)."""
         ...
 
+    def idle_time(self, idle_s: float) -> float:
+        """Seconds more that the first step after `idle_s` seconds without a step takes."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """The model's parameters, for the report."""
         ...
@@ -112,6 +117,9 @@ class RooflineCost:
     @property
     def request_time_s(self) -> float:
         return 0.0  # a projection of the engine on other hardware: no server measured
+
+    def idle_time(self, idle_s: float) -> float:
+        return 0.0
 
     @property
     def kv_per_token_per_device(self) -> float:
@@ -286,6 +294,9 @@ class Profile:
     # SERVER_TERMS -> seconds per unit; empty: the profile measured the engine alone
     server_coefficients: dict[str, float] = field(default_factory=dict)
     server_samples: list[dict[str, Any]] = field(default_factory=list)  # the serve runs
+    # A lone prefill's extra time after the engine sat idle for idle_gap_s (0: not measured)
+    idle_step_s: float = 0.0
+    idle_gap_s: float = 0.0
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -345,9 +356,19 @@ class MeasuredCost:
     def request_time_s(self) -> float:
         return self.profile.server_coefficients.get("server_request", 0.0)
 
+    def idle_time(self, idle_s: float) -> float:
+        """The profile's idle cost, in proportion up to the gap it was measured after: on
+        the 2-core Xeon a lone prefill took 7-15 ms more after 1.5 s without a step, ~0
+        after 0.05-0.3 s (caches and cores gone cold; offline as through the server)."""
+        p = self.profile
+        if p.idle_gap_s <= 0 or idle_s <= 0:
+            return 0.0
+        return p.idle_step_s * min(idle_s / p.idle_gap_s, 1.0)
+
     def describe(self) -> dict[str, Any]:
         p = self.profile
         return {"cost_model": "measured", "model": p.model, "machine": p.machine,
                 "dtype": p.dtype, "coefficients": p.coefficients,
                 "server_coefficients": p.server_coefficients,
+                "idle_step_ms": p.idle_step_s * 1e3, "idle_gap_s": p.idle_gap_s,
                 "profile_median_abs_error": p.median_abs_error, "profile_date": p.date}

@@ -5,7 +5,9 @@ together, for each B of the grid; at each B, a few pure decode steps are timed, 
 per prefill size P in which a new P-token prompt is computed alongside the B decodes. Every
 step the engine runs (the setup prefills too) is a sample: its shape is read off the
 scheduler's output, its time is ``LLMEngine.step`` end to end (schedule, forward, sample,
-update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_terms``.
+update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_terms``. Then lone
+prefills after an idle spell and right after another one price the idle cost
+(``MeasuredCost.idle_time``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class ProfileGrid:
     context_lens: tuple[int, ...] = (128, 256)  # the default cache (1 GiB) holds batch 64
     prefill_tokens: tuple[int, ...] = (32, 128, 512)
     steps: int = 3  # timed pure-decode steps per (batch, context)
+    # Lone prefills of idle_prompt tokens, each after idle_gap_s without a step and right
+    # after the previous one, idle_pairs times (0: the idle cost is not measured)
+    idle_gap_s: float = 1.0
+    idle_pairs: int = 6
+    idle_prompt: int = 128
 
     def __post_init__(self) -> None:
         for name in ("batches", "context_lens", "prefill_tokens"):
@@ -65,6 +72,9 @@ class ProfileGrid:
                 raise ValueError(f"{name} must be positive integers, got {list(values)}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.idle_pairs < 0 or self.idle_prompt < 1 or not self.idle_gap_s >= 0:
+            raise ValueError(f"idle_gap_s must be >= 0, idle_pairs >= 0 and idle_prompt >= 1, "
+                             f"got {self.idle_gap_s}, {self.idle_pairs}, {self.idle_prompt}")
 
     def engine_args(self, base: EngineArgs) -> EngineArgs:
         """`base` with room for the biggest step of the grid in one step."""
@@ -135,6 +145,32 @@ def _time_context(timer: _Timer, grid: ProfileGrid, context: int, rng: random.Ra
         engine.abort_request(live)
 
 
+def _time_idle(engine: LLMEngine, grid: ProfileGrid, rng: random.Random) -> float:
+    """Seconds more a lone prefill step takes after the engine sat idle for grid.idle_gap_s
+    than right after another one: the median of each, alternating (>= 0; 0 if not asked)."""
+    if not grid.idle_pairs or grid.idle_gap_s <= 0:
+        return 0.0
+    vocab = engine.model_config.vocab_size
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def prefill() -> float:
+        engine.add_request(_prompt(rng, vocab, grid.idle_prompt), one)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    prefill()  # the row count's first call
+    busy, idle = [], []
+    for _ in range(grid.idle_pairs):
+        busy.append(prefill())
+        time.sleep(grid.idle_gap_s)
+        idle.append(prefill())
+    return max(statistics.median(idle) - statistics.median(busy), 0.0)
+
+
 def _machine(engine: LLMEngine) -> str:
     if engine.device.type == "cuda":
         import torch
@@ -184,6 +220,7 @@ def run_profile(base: EngineArgs, grid: ProfileGrid,
     rng = random.Random(0)
     for context in sorted(grid.context_lens):
         _time_context(timer, grid, context, rng)
+    idle_step = _time_idle(engine, grid, rng)
     engine.check_integrity()
     shapes = [s for s, _ in timer.samples]
     times = [t for _, t in timer.samples]
@@ -194,7 +231,8 @@ def run_profile(base: EngineArgs, grid: ProfileGrid,
         dtype=str(engine.dtype).removeprefix("torch."), kv_cache_dtype=args.kv_cache_dtype,
         device=engine.device.type, machine=_machine(engine), coefficients=coefficients,
         samples=[{**dataclasses.asdict(s), "time_s": t} for s, t in timer.samples],
-        median_abs_error=0.0, date=datetime.now().isoformat(timespec="seconds"))
+        median_abs_error=0.0, date=datetime.now().isoformat(timespec="seconds"),
+        idle_step_s=idle_step, idle_gap_s=grid.idle_gap_s if grid.idle_pairs else 0.0)
     profile = dataclasses.replace(profile, median_abs_error=fit_error(profile))
     if serve is None:
         return profile
@@ -239,6 +277,9 @@ def format_profile(profile: Profile, path: str) -> str:
                      "the simulated engine):")
     for term, value in profile.server_coefficients.items():
         lines.append(f"{value * 1e3:>14.6f}  {TERM_UNITS[term]}")
+    if profile.idle_gap_s:
+        lines.append(f"{profile.idle_step_s * 1e3:>14.6f}  ms more for the first step after "
+                     f"{profile.idle_gap_s:g} s without one (caches and cores gone cold)")
     lines += [f"median |error| of the fit over the timed steps: "
               f"{profile.median_abs_error:.1%}", f"written to {path}", "=" * 72]
     return "\n".join(lines)

@@ -166,6 +166,7 @@ class Replica:
         self.busy_time = 0.0
         self._frontend_free = 0.0
         self._stall = 0.0  # front-end time to add to the next step (see _admit_arrived)
+        self._idle_since: float | None = 0.0  # when the engine last ran out of work
         self._empty_steps = 0
 
     @property
@@ -232,6 +233,9 @@ class Replica:
             raise RuntimeError("the scheduler scheduled nothing three steps in a row")
         start = self.clock
         duration = self.cost.step_time(StepShape.of(out)) + self._stall
+        if self._idle_since is not None:  # the first step after an idle spell
+            duration += self.cost.idle_time(start - self._idle_since)
+            self._idle_since = None
         self._stall = 0.0
         self.clock += duration
         self.busy_time += duration
@@ -249,6 +253,8 @@ class Replica:
         used = kv.num_blocks - kv.num_free_blocks
         self.samples.append(StepSample(self.clock, used, self.scheduler.num_waiting,
                                        self.scheduler.num_running))
+        if not self.scheduler.has_unfinished_requests():
+            self._idle_since = self.clock
         if self.trace is not None:
             self._trace_step(out, start, duration, finished, used)
 
