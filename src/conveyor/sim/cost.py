@@ -358,8 +358,9 @@ class MeasuredCost:
 
     def idle_time(self, idle_s: float) -> float:
         """The profile's idle cost, in proportion up to the gap it was measured after: on
-        the 2-core Xeon a lone prefill took 7-15 ms more after 1.5 s without a step, ~0
-        after 0.05-0.3 s (caches and cores gone cold; offline as through the server)."""
+        the 2-core Xeon a lone 128-token prefill (43 ms right after another) took 2, 4, 5,
+        16 and 12 ms more after 0.25, 0.5, 1, 2 and 3 s without a step (medians of 6;
+        caches and cores gone cold; offline as through the server)."""
         p = self.profile
         if p.idle_gap_s <= 0 or idle_s <= 0:
             return 0.0

@@ -61,8 +61,8 @@ class ProfileGrid:
     steps: int = 3  # timed pure-decode steps per (batch, context)
     # Lone prefills of idle_prompt tokens, each after idle_gap_s without a step and right
     # after the previous one, idle_pairs times (0: the idle cost is not measured)
-    idle_gap_s: float = 1.0
-    idle_pairs: int = 6
+    idle_gap_s: float = 2.0
+    idle_pairs: int = 5
     idle_prompt: int = 128
 
     def __post_init__(self) -> None:
