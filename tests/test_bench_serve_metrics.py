@@ -14,9 +14,11 @@ import pytest
 
 from conveyor.bench.datasets import (
     PROMPT_WORDS,
+    ChatLengths,
     DatasetConfig,
     SkewedMix,
     load_sharegpt_requests,
+    sample_chat_like_requests,
     sample_random_requests,
     sample_requests,
     sample_skewed_requests,
@@ -220,6 +222,43 @@ def test_sharegpt(tmp_path: Path) -> None:
         load_sharegpt_requests(path, num_prompts=7)
     cfg = DatasetConfig(name="sharegpt", num_prompts=2, dataset_path=str(path))
     assert len(sample_requests(cfg)) == 2
+
+
+def test_sharegpt_like_lengths_are_heavy_tailed_around_their_medians() -> None:
+    reqs = sample_requests(DatasetConfig(name="sharegpt-like", num_prompts=2000, seed=5))
+    prompts = np.array([r.prompt_len_hint for r in reqs])
+    outputs = np.array([r.output_len for r in reqs])
+    lengths = ChatLengths()
+    assert 0.85 < np.median(prompts) / lengths.prompt_median < 1.15
+    assert 0.85 < np.median(outputs) / lengths.output_median < 1.15
+    assert prompts.mean() > 1.5 * np.median(prompts)  # the long pastes: a heavy tail
+    assert np.percentile(prompts, 99) > 8 * lengths.prompt_median
+    assert prompts.min() >= 4 and prompts.max() <= lengths.prompt_max
+    assert outputs.min() >= 4 and outputs.max() <= lengths.output_max
+    assert all(len(r.prompt.split()) == r.prompt_len_hint for r in reqs[:50])
+    assert reqs[:20] == sample_chat_like_requests(2000, seed=5)[:20]
+    assert reqs[:20] != sample_chat_like_requests(2000, seed=6)[:20]
+
+
+def test_dataset_flag_takes_a_name_or_a_sharegpt_file(tmp_path: Path) -> None:
+    import argparse
+
+    from conveyor.bench import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)  # bench serve's flags (simulate takes the same)
+
+    def config(*flags: str) -> DatasetConfig:
+        return serve_cli.dataset_from_args(parser.parse_args(["--url", "http://x", *flags]))
+
+    path = str(tmp_path / "w.json")
+    assert (config("--dataset", path).name, config("--dataset", path).dataset_path) == (
+        "sharegpt", path)
+    assert config("--dataset", "sharegpt-like").name == "sharegpt-like"
+    with pytest.raises(ValueError, match="give the file once"):
+        config("--dataset", path, "--dataset-path", "other.json")
+    with pytest.raises(SystemExit):
+        config("--dataset", "sharegpt_like")
 
 
 def test_dataset_config_validation() -> None:

@@ -356,6 +356,16 @@ def test_parallel_samples_share_the_prompts_blocks() -> None:
     assert shared.records[0].ttft == pytest.approx(0.001 + 0.0001 * 40)
 
 
+def test_the_issues_command_with_sharegpt_like_lengths(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    args = ["simulate", "--model", "llama-3-8b", "--device", "H100-80GB", "--dataset",
+            "sharegpt-like", "--request-rate", "8", "--num-prompts", "300", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["completed"] == 300 and data["dataset_name"] == "sharegpt-like"
+    assert data["total_input_tokens"] > 300 * 100  # the long prompts pull the mean up
+
+
 def test_cli_client_flags(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--model", "llama-3-8b", "--device", "H100-80GB", "--dataset", "skewed",
             "--num-prompts", "80", "--json", "--max-concurrency", "8", "--n", "2",

@@ -1,4 +1,5 @@
-"""Request generators for ``conveyor bench serve``: random, skewed and ShareGPT workloads.
+"""Request generators for ``conveyor bench serve``: random, skewed, ShareGPT-like and ShareGPT
+workloads.
 
 No tokenizer is assumed (the server under test may be any OpenAI-compatible one), so prompt
 lengths are hints: a random prompt of N tokens is N words from a list of common short English
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-DATASET_NAMES = ("random", "skewed", "sharegpt", "reference", "json-schema")
+DATASET_NAMES = ("random", "skewed", "sharegpt-like", "sharegpt", "reference", "json-schema")
 
 # Common short English words: each is a single token (with its leading space) in the
 # Llama-3, GPT-2/4, Qwen and SmolLM BPE vocabularies, so N words ≈ N prompt tokens.
@@ -159,6 +160,40 @@ def sample_skewed_requests(
     ]
 
 
+@dataclass(frozen=True)
+class ChatLengths:
+    """The sharegpt-like workload: prompt and answer lengths drawn from lognormals, the
+    heavy-tailed shape of chat logs (most prompts short, a few long pastes; answers of a few
+    hundred tokens, some much longer). A stand-in when no ShareGPT file is at hand: its
+    parameters are round numbers, not fitted to ShareGPT (`--dataset FILE.json` replays a
+    real ShareGPT-format file). Defaults: prompts median 100 tokens (mean ~180, 1 % over
+    ~1,300), answers median 180 (mean ~250, 1 % over ~1,150), each clipped to [4, max]."""
+
+    prompt_median: int = 100
+    prompt_sigma: float = 1.1
+    prompt_max: int = 3072
+    output_median: int = 180
+    output_sigma: float = 0.8
+    output_max: int = 2048
+
+
+def sample_chat_like_requests(num_prompts: int, seed: int = 0,
+                              lengths: ChatLengths = ChatLengths()) -> list[SampleRequest]:
+    """The sharegpt-like workload (ChatLengths), random words as prompts."""
+    rng = np.random.default_rng(seed)
+
+    def draw(median: int, sigma: float, most: int) -> np.ndarray:
+        values = rng.lognormal(math.log(median), sigma, size=num_prompts)
+        return np.clip(np.rint(values), MIN_SHAREGPT_TOKENS, most).astype(np.int64)
+
+    input_lens = draw(lengths.prompt_median, lengths.prompt_sigma, lengths.prompt_max)
+    output_lens = draw(lengths.output_median, lengths.output_sigma, lengths.output_max)
+    return [
+        SampleRequest(random_prompt(rng, int(n_in)), int(n_in), int(n_out))
+        for n_in, n_out in zip(input_lens, output_lens, strict=True)
+    ]
+
+
 def estimate_num_tokens(text: str) -> int:
     """Token count of English text without a tokenizer: words * 1.3, at least 1."""
     return max(1, round(len(text.split()) * TOKENS_PER_WORD))
@@ -293,6 +328,8 @@ def sample_requests(config: DatasetConfig) -> list[SampleRequest]:
         )
     if config.name == "skewed":
         return sample_skewed_requests(config.num_prompts, config.skewed, config.seed)
+    if config.name == "sharegpt-like":
+        return sample_chat_like_requests(config.num_prompts, config.seed)
     if config.name == "reference":
         return reference_requests(config.num_prompts, config.seed)
     if config.name == "json-schema":

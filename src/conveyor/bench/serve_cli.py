@@ -76,7 +76,10 @@ def add_client_arguments(load: Any) -> None:
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload flags (`bench serve`, `conveyor simulate`)."""
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=DATASET_NAMES)
+    data.add_argument("--dataset", default="random", type=dataset_name,
+                      metavar="{" + ",".join(DATASET_NAMES) + ",FILE.json}",
+                      help="a generated workload, or a ShareGPT-format JSON file (the same "
+                           "as --dataset sharegpt --dataset-path FILE.json)")
     data.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
     data.add_argument("--output-len", type=int, default=128, help="random: output tokens")
     data.add_argument("--range-ratio", type=float, default=0.0,
@@ -127,6 +130,14 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def dataset_name(text: str) -> str:
+    """--dataset: one of DATASET_NAMES, or a path ending in .json (a ShareGPT file)."""
+    if text in DATASET_NAMES or text.endswith(".json"):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(DATASET_NAMES)}, or a .json file)")
+
+
 def dataset_from_args(args: argparse.Namespace) -> DatasetConfig:
     """The DatasetConfig the parsed dataset flags describe (ValueError on a bad value)."""
     mix = SkewedMix(
@@ -137,10 +148,15 @@ def dataset_from_args(args: argparse.Namespace) -> DatasetConfig:
         prompt_min=args.skewed_prompt_len[0],
         prompt_max=args.skewed_prompt_len[1],
     )
+    name, path = args.dataset, args.dataset_path
+    if name.endswith(".json"):  # --dataset FILE.json: a ShareGPT file
+        if path is not None and path != name:
+            raise ValueError(f"--dataset {name} and --dataset-path {path}: give the file once")
+        name, path = "sharegpt", name
     dataset = DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
+        name=name, num_prompts=args.num_prompts, seed=args.seed,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-        skewed=mix, dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
+        skewed=mix, dataset_path=path, sharegpt_output_len=args.sharegpt_output_len,
     )
     return dataset
 
