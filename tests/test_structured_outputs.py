@@ -94,29 +94,6 @@ def test_free_requests_unchanged_next_to_constrained(llm, kv_free) -> None:
     kv_free(llm)
 
 
-def test_greedy_masks_filled_only_for_refused_picks_change_no_output(llm, kv_free) -> None:
-    """A greedy constrained row checks its unmasked pick first and fills its mask only if
-    the grammar refuses it: the same tokens as filling every mask (the tiny random model's
-    picks are refused often, so both branches run)."""
-    runner = llm.engine.runner
-    params = [_json(s, temperature=0) for s in SCHEMAS] + [
-        _json(SCHEMAS[0], temperature=0, logprobs=2), _json(SCHEMAS[1], seed=3)]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
-    outputs = {}
-    for lazy in (False, True):
-        runner.lazy_masks = lazy
-        runner.lazy_picks = runner.lazy_refused = 0
-        outputs[lazy] = [(c.token_ids, c.finish_reason) for o in llm.generate(prompts, params)
-                         for c in o.outputs]
-        if lazy:
-            assert runner.lazy_picks > runner.lazy_refused > 0
-        else:
-            assert runner.lazy_picks == 0
-        kv_free(llm)
-    runner.lazy_masks = True
-    assert outputs[True] == outputs[False]
-
-
 def test_regex_choice_grammar_and_preemption(tiny_llama_dir, kv_free) -> None:
     # 12 blocks of 16 tokens for 16 requests of ~40 tokens each: preemptions are certain.
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,

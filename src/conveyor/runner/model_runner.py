@@ -162,10 +162,6 @@ class ModelRunner:
         self.grammars = grammars
         self.matchers: dict[str, LLMatcher] = {}
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
-        # Greedy constrained rows check their unmasked pick first (_lazy); off: every
-        # constrained row's mask is filled beside the forward pass
-        self.lazy_masks = True
-        self.lazy_picks = self.lazy_refused = 0  # lazy rows, and those whose pick was refused
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
@@ -227,12 +223,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
             return ModelRunnerOutput({})
-        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
         if masks is not None:  # every row of a constrained request (a verify: 1 + drafts)
             constrained, bitmask = masks
+            first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
             apply_token_bitmask(logits, bitmask.result(),
                                 [r for i in constrained for r in range(first[i], first[i + 1])])
-        self._mask_refused_picks(samplers, logits, first)
         result = self._sampled(samplers, logits)
         result.draft_seconds = draft_seconds
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
@@ -289,51 +284,16 @@ class ModelRunner:
 
     def _start_bitmasks(self, samplers: list[ScheduledRequest]
                         ) -> tuple[list[int], Future[torch.Tensor]] | None:
-        """The rows of the step's constrained requests whose masks cannot wait for their
-        pick (not _lazy), and their masks being filled."""
-        rows = [i for i, s in enumerate(samplers)
-                if s.request_id in self.matchers and not self._lazy(s)]
+        """The rows of the step's constrained requests, and their masks being filled."""
+        rows = [i for i, s in enumerate(samplers) if s.request_id in self.matchers]
         if not rows:
             return None
-        matchers = [self.matchers[samplers[i].request_id] for i in rows]
-        return rows, self._filler().start(matchers, [samplers[i].spec_token_ids for i in rows])
-
-    def _filler(self) -> BitmaskFiller:
         if self._bitmasks is None:
             assert self.grammars is not None
             tok = self.grammars.tokenizer
             self._bitmasks = BitmaskFiller(tok.vocab_size, tuple(tok.eos_token_ids))
-        return self._bitmasks
-
-    def _lazy(self, s: ScheduledRequest) -> bool:
-        """A constrained request whose mask waits for its pick: greedy, one row (no drafts),
-        no logprobs. The argmax of its masked logits is the argmax of the unmasked ones
-        whenever the grammar allows that token, so its mask is filled only when it does not
-        (_mask_refused_picks); a filled mask costs ~0.1 ms of llguidance per row, on cores
-        the forward pass needs."""
-        params = self.states[s.request_id].params
-        return (self.lazy_masks and params.greedy and not s.spec_token_ids
-                and params.logprobs is None)
-
-    def _mask_refused_picks(self, samplers: list[ScheduledRequest], logits: torch.Tensor,
-                            first: list[int]) -> None:
-        """The _lazy requests' picks from the unmasked logits; where the grammar refuses
-        one, that row's mask, filled now, applied (the sampler then picks again)."""
-        lazy = [i for i, s in enumerate(samplers) if s.request_id in self.matchers
-                and self._lazy(s)]
-        if not lazy:
-            return
-        rows = [first[i] for i in lazy]
-        picks, _ = self.sampler(logits.index_select(0, upload(rows, logits.device)),
-                                [self.states[samplers[i].request_id] for i in lazy])
-        refused = [i for i, t in zip(lazy, picks, strict=True)
-                   if self.matchers[samplers[i].request_id].validate_tokens([t]) != 1]
-        self.lazy_refused += len(refused)
-        self.lazy_picks += len(lazy)
-        if refused:
-            matchers = [self.matchers[samplers[i].request_id] for i in refused]
-            apply_token_bitmask(logits, self._filler().fill(matchers, [[]] * len(refused)),
-                                [first[i] for i in refused])
+        matchers = [self.matchers[samplers[i].request_id] for i in rows]
+        return rows, self._bitmasks.start(matchers, [samplers[i].spec_token_ids for i in rows])
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         """Swap-outs (device -> host) first, then swap-ins: a freed block may be reused.
