@@ -164,9 +164,8 @@ void token_group_of(int64_t tiles, WeightTile&& weight_tile, at::BFloat16* y, co
 // Every row tile of W x every token, in groups of up to 64 tokens (4 accumulator tiles): the
 // first group dequantizes each record as it streams it; with more tokens it keeps the row
 // tile's dequantized records in a buffer (blocks x 1 KB, in L1/L2) that the later groups
-// sweep. Either way each output
-// is the same sum of the same tile products in the same order, so a token's result never
-// depends on how many tokens share the call.
+// sweep. Either way each output is the same sum of the same tile products in the same order,
+// so a token's result never depends on how many tokens share the call.
 template <int64_t Type>
 void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const float* bias,
                   int64_t m, int64_t n, int64_t blocks, int64_t token_tiles) {
@@ -190,7 +189,8 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
         const uint8_t* r = rec + b * record;
         const char* ahead = reinterpret_cast<const char*>(r + 8 * record);
         for (int64_t line = 0; line < record; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        // Alone, two tile buffers: the next record's stores need not wait for this tile's load.
+        // One group: two tile buffers in turn, so the next record's stores need not wait for
+        // this tile's load.
         uint16_t* tile = tiles + (groups > 1 ? b : b % 2) * 512;
         dequantize_record<Type>(r, tile, 32);
         return tile;
