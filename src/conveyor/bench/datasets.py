@@ -123,6 +123,15 @@ def random_prompt(rng: np.random.Generator, num_tokens: int) -> str:
     return " ".join(PROMPT_WORDS[i] for i in indices)
 
 
+def _word_requests(rng: np.random.Generator, input_lens: np.ndarray, output_lens: np.ndarray
+                   ) -> list[SampleRequest]:
+    """Requests of random-word prompts of these lengths, drawn in order from `rng`."""
+    return [
+        SampleRequest(random_prompt(rng, int(n_in)), int(n_in), int(n_out))
+        for n_in, n_out in zip(input_lens, output_lens, strict=True)
+    ]
+
+
 def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
     low = max(1, math.floor(mean * (1.0 - ratio)))
     high = max(low, math.ceil(mean * (1.0 + ratio)))
@@ -136,10 +145,7 @@ def sample_random_requests(
     rng = np.random.default_rng(seed)
     input_lens = _uniform_lengths(rng, input_len, range_ratio, num_prompts)
     output_lens = _uniform_lengths(rng, output_len, range_ratio, num_prompts)
-    return [
-        SampleRequest(random_prompt(rng, int(n_in)), int(n_in), int(n_out))
-        for n_in, n_out in zip(input_lens, output_lens, strict=True)
-    ]
+    return _word_requests(rng, input_lens, output_lens)
 
 
 def sample_skewed_requests(
@@ -154,10 +160,7 @@ def sample_skewed_requests(
     short_lens = rng.integers(mix.short_output_min, mix.short_output_max + 1, size=num_prompts)
     output_lens = np.where(is_long, mix.long_output_len, short_lens)
     input_lens = rng.integers(mix.prompt_min, mix.prompt_max + 1, size=num_prompts)
-    return [
-        SampleRequest(random_prompt(rng, int(n_in)), int(n_in), int(n_out))
-        for n_in, n_out in zip(input_lens, output_lens, strict=True)
-    ]
+    return _word_requests(rng, input_lens, output_lens)
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,7 @@ def sample_chat_like_requests(num_prompts: int, seed: int = 0,
 
     input_lens = draw(lengths.prompt_median, lengths.prompt_sigma, lengths.prompt_max)
     output_lens = draw(lengths.output_median, lengths.output_sigma, lengths.output_max)
-    return [
-        SampleRequest(random_prompt(rng, int(n_in)), int(n_in), int(n_out))
-        for n_in, n_out in zip(input_lens, output_lens, strict=True)
-    ]
+    return _word_requests(rng, input_lens, output_lens)
 
 
 def estimate_num_tokens(text: str) -> int:
