@@ -114,6 +114,18 @@ def _int8_views(kv_cache: torch.Tensor, head_dim: int
     return k, v, scales[0].transpose(1, 2), scales[1].transpose(1, 2)
 
 
+def _tiles_at(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, head_dim: int
+              ) -> tuple[tuple[torch.Tensor, tuple[torch.Tensor, ...]],
+                         tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """_tiles_views of a tile-layout cache, each with the index of the slots' positions in it
+    (K: block, 16-position group, position in it; V: block, position pair, which of the two)."""
+    k_tiles, v_tiles = _tiles_views(kv_cache, head_dim)
+    bs = kv_cache.shape[-1] // head_dim
+    block, offset = slot_mapping // bs, slot_mapping % bs
+    return ((k_tiles, (block, offset // 16, offset % 16)),
+            (v_tiles, (block, offset // 2, offset % 2)))
+
+
 def tiles_as_rows(kv_caches: torch.Tensor, head_dim: int) -> torch.Tensor:
     """A copy of tile-layout caches [..., 2, blocks, KVH, bs * D] (any leading dims, e.g.
     layers) in the row layout [..., 2, blocks, bs, KVH, D]."""
@@ -135,11 +147,9 @@ def write_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     [2, blocks, bs, KVH, D], quantized rows of an int8 cache, or a tile-layout cache's."""
     t, kvh, d = k.shape
     if is_tiles(kv_cache):
-        k_tiles, v_tiles = _tiles_views(kv_cache, d)
-        bs = kv_cache.shape[-1] // d
-        block, offset = slot_mapping // bs, slot_mapping % bs
-        k_tiles[block, offset // 16, offset % 16] = k.view(t, kvh, d // 32, 16, 2)
-        v_tiles[block, offset // 2, offset % 2] = v
+        (k_tiles, k_index), (v_tiles, v_index) = _tiles_at(kv_cache, slot_mapping, d)
+        k_tiles[k_index] = k.view(t, kvh, d // 32, 16, 2)
+        v_tiles[v_index] = v
         return
     if kv_cache.dtype != torch.int8:
         kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
@@ -161,12 +171,9 @@ def read_kv_(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """In place: k, v [T, KVH, D] = the rows at these slots as an int8 cache holds them
     (scale * q in float32, rounded to k's dtype), or a tile-layout cache."""
     if is_tiles(kv_cache):
-        t, _, d = k.shape
-        k_tiles, v_tiles = _tiles_views(kv_cache, d)
-        bs = kv_cache.shape[-1] // d
-        block, offset = slot_mapping // bs, slot_mapping % bs
-        k.copy_(k_tiles[block, offset // 16, offset % 16].reshape(k.shape))
-        v.copy_(v_tiles[block, offset // 2, offset % 2])
+        (k_tiles, k_index), (v_tiles, v_index) = _tiles_at(kv_cache, slot_mapping, k.shape[-1])
+        k.copy_(k_tiles[k_index].reshape(k.shape))
+        v.copy_(v_tiles[v_index])
         return
     k_values, v_values, k_scales, v_scales = _int8_views(kv_cache, k.shape[-1])
     bs = k_values.shape[1]
