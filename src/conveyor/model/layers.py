@@ -86,8 +86,8 @@ class PackedLinear(nn.Module):
         inputs. False (and unchanged) otherwise.
 
         - AMX: batches of up to ``quantized_linear_max_rows`` rows, bit-identical to oneDNN
-          on the bf16 weight (checked at 1, 13 and 64 rows: oneDNN's own bits for a row
-          change with the batch above 64 rows, and the kernel's do not).
+          on the bf16 weight (checked at 1, 13 and ``onednn_small_rows`` rows: above that
+          oneDNN's own bits for a row change with the batch, and the kernel's do not).
         - Dot kernels (bf16 or float32): every batch, on the exact GGUF weights, so the results
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
         """
@@ -104,7 +104,7 @@ class PackedLinear(nn.Module):
                     return False
         else:
             blocks = cpu_kernels.pack_block_weights(raw, qtype)
-            for rows in (1, 13, 64):
+            for rows in (1, 13, cpu_kernels.onednn_small_rows()):
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
                 got = cpu_kernels.quantized_linear(x, blocks, self.bias)
                 if not torch.equal(got, self.dense(x)):

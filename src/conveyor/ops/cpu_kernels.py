@@ -230,6 +230,12 @@ def quantized_linear_max_rows() -> int:
     return int(torch.ops.conveyor.quantized_linear_max_rows())
 
 
+def onednn_small_rows() -> int:
+    """The most rows of a call for which oneDNN gives every row its bits alone (and
+    ``quantized_linear`` matches it)."""
+    return int(torch.ops.conveyor.onednn_small_rows())
+
+
 # ---------------------------------------------------------------- the fused decode loop
 
 @dataclass(frozen=True, slots=True)

@@ -1316,10 +1316,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // A oneDNN-packed matmul of a few rows: from the GGUF blocks when it has them (quant_linear.cpp,
 // AMX: bit-identical, fewer bytes read, any number of rows), else oneDNN's one call, which
 // gives every row the same bits up to kOneDnnSmallRows rows.
-constexpr int64_t kOneDnnSmallRows = 64;
-
 int64_t small_rows(const std::optional<at::Tensor>& blocks) {
-  return blocks.has_value() ? conveyor::kQuantizedMaxRows : kOneDnnSmallRows;
+  return blocks.has_value() ? conveyor::kQuantizedMaxRows : conveyor::kOneDnnSmallRows;
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,

@@ -27,7 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -176,9 +176,13 @@ void linear_tiles(at::BFloat16* y, const uint32_t* xt, const uint8_t* w, const f
     // Tile 0: the weight tile (16 rows x 32 bf16); 1 and 6: x^T tiles (16 input pairs x 16
     // tokens); 2-5: accumulators (16 rows x 16 tokens, float32).
     load_tile_config();
-    std::vector<uint16_t> buffer(static_cast<size_t>(groups > 1 ? blocks : 2) * 512 + 32);
-    uint16_t* tiles = reinterpret_cast<uint16_t*>(
-        (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    // One group (decodes): two tiles on the stack. More: the row tile's records, on the heap
+    // (not zeroed: every tile is written before it is read).
+    alignas(64) uint16_t pair[2 * 512];
+    std::unique_ptr<uint16_t[]> heap(groups > 1 ? new uint16_t[blocks * 512 + 32] : nullptr);
+    uint16_t* tiles = heap ? reinterpret_cast<uint16_t*>(
+                                 (reinterpret_cast<uintptr_t>(heap.get()) + 63) & ~uintptr_t{63})
+                           : pair;
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* rec = w + t * blocks * record;
       // The first group streams the records, dequantizing each into the buffer; later groups
@@ -262,6 +266,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("amx_available() -> bool", &conveyor::amx_available);
   m.def("quantized_linear_max_rows() -> int", [] { return conveyor::kQuantizedMaxRows; });
+  m.def("onednn_small_rows() -> int", [] { return conveyor::kOneDnnSmallRows; });
   m.def("pack_block_weights(Tensor raw, int type) -> Tensor", &conveyor::pack_block_weights);
   m.def("quantized_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor",
         &conveyor::quantized_linear);

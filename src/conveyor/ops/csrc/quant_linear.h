@@ -14,6 +14,11 @@ namespace conveyor {
 // faster (1.7x at 512 rows).
 constexpr int64_t kQuantizedMaxRows = 256;
 
+// The most rows of a call for which oneDNN's bf16 matmul gives every row the bits it gives
+// that row alone (on the 2-core AMX Xeon; checked per row count above it, cpu_ops.cpp's
+// large_linear). quantized_linear matches oneDNN's bits up to here.
+constexpr int64_t kOneDnnSmallRows = 64;
+
 // y = x W^T + b for x [M, K] bf16 and W packed by pack_block_weights:
 // bit-identical to oneDNN's bf16 matmul on the dequantized weights (what the loader makes of
 // the same blocks), while reading 0.56-1.06 bytes per weight instead of 2.
