@@ -12,6 +12,8 @@ row is ``token_fn``'s, a draft is kept while it equals it. A draft's slot gets t
 prefix *with the drafts*: a rejected draft's KV published to the prefix cache would then fail
 a later hit's check. A verify whose drafts the scheduler left to the runner (method
 draft_model: ``num_spec_tokens`` without ids) gets them from ``draft_fn``, the fake draft model.
+With ``forced_fn``, it reports after each sampling step the tokens a grammar would force next
+(``ModelRunnerOutput.forced_token_ids``), as the real runner does for structured outputs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from conveyor.sampling_params import SamplingParams
 
 # (request_id, index of the output token being sampled) -> token id
 TokenFn = Callable[[str, int], int]
+# (request_id, index of the next output token) -> the tokens a grammar forces from there
+ForcedFn = Callable[[str, int], list[int]]
 
 OUTPUT_TOKEN_BASE = 1000  # default fake outputs live far from prompt ids and EOS
 
@@ -57,10 +61,11 @@ class FakeRunner:
     """Plays the model runner: shadow KV writes/reads, the sampled (and accepted) tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn,
-                 draft_fn: TokenFn | None = None) -> None:
+                 draft_fn: TokenFn | None = None, forced_fn: ForcedFn | None = None) -> None:
         self.block_size = block_size
         self.token_fn = token_fn
         self.draft_fn = draft_fn
+        self.forced_fn = forced_fn
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
         self.num_prompt: dict[str, int] = {}
@@ -91,7 +96,7 @@ class FakeRunner:
             for pos in range(item.num_computed_tokens, end + len(item.spec_token_ids)):
                 block, offset = self._slot(item.block_ids, pos)
                 self.slots[block][offset] = keys[item.request_id][pos]
-        sampled = {}
+        sampled, forced = {}, {}
         for item in scheduled:  # ... then attend over the whole prefix
             request_keys = keys[item.request_id]
             for pos, key in enumerate(request_keys):
@@ -104,7 +109,10 @@ class FakeRunner:
             if item.samples:
                 sampled[item.request_id] = self._verify(item.request_id, item.spec_token_ids)
                 tokens.extend(sampled[item.request_id])
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+                index = len(tokens) - self.num_prompt[item.request_id]
+                if self.forced_fn is not None and (f := self.forced_fn(item.request_id, index)):
+                    forced[item.request_id] = f
+        return ModelRunnerOutput(sampled_token_ids=sampled, forced_token_ids=forced)
 
     def _with_drafts(self, item: ScheduledRequest) -> ScheduledRequest:
         """A verify with its drafts: the scheduler's, or the fake draft model's."""
@@ -214,10 +222,11 @@ def scheduler_config(**config: object) -> SchedulerConfig:
 def make_harness(num_blocks: int = 64, block_size: int = 4, enable_caching: bool = True,
                  token_fn: TokenFn = default_token_fn,
                  speculative: SpeculativeConfig | None = None,
-                 draft_fn: TokenFn | None = None, **config: object) -> Harness:
+                 draft_fn: TokenFn | None = None, forced_fn: ForcedFn | None = None,
+                 **config: object) -> Harness:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     sched = Scheduler(scheduler_config(**config), kv, speculative=speculative)
-    return Harness(sched, FakeRunner(num_blocks, block_size, token_fn, draft_fn))
+    return Harness(sched, FakeRunner(num_blocks, block_size, token_fn, draft_fn, forced_fn))
 
 
 def scripted(tokens: dict[str, list[int]], default: int = OUTPUT_TOKEN_BASE) -> TokenFn:

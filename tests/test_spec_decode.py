@@ -196,7 +196,8 @@ def test_constrained_requests_verify_drafts_under_their_grammar(tiny_llama_dir,
     """Structured outputs with n-gram drafts: each draft row is masked by the grammar after
     the drafts before it, so greedy and seeded-sampled texts equal speculation off, they
     match their grammar, and drafts are accepted (repeating grammars: the n-gram proposer
-    finds the pattern)."""
+    finds the pattern). Grammar-forced drafts off: they would take the n-gram drafts' place
+    wherever the grammar forces a token (test_structured_outputs has them)."""
     kinds = [StructuredOutputsParams(grammar='root ::= "x" ("ab" | "cd"){10,20} "!"'),
              StructuredOutputsParams(regex=r"(ab|cd|ef)( (ab|cd|ef)){30}")]
     checks = [r"x((ab)|(cd)){10,20}!", r"(ab|cd|ef)( (ab|cd|ef)){30}"]
@@ -205,7 +206,8 @@ def test_constrained_requests_verify_drafts_under_their_grammar(tiny_llama_dir,
               for i, (t, k) in enumerate((t, k) for t in (0, 0.8) for k in kinds
                                          for _ in texts)]
     prompt_list = [t * 2 for _ in range(2 * len(kinds)) for t in texts]
-    off, on = tiny(tiny_llama_dir, spec=False), tiny(tiny_llama_dir, spec=True)
+    off = tiny(tiny_llama_dir, spec=False, grammar_forced_drafts=False)
+    on = tiny(tiny_llama_dir, spec=True, grammar_forced_drafts=False)
     expect = [o.outputs[0].text for o in off.generate(prompt_list, params)]
     got = on.generate(prompt_list, params)
     assert [o.outputs[0].text for o in got] == expect

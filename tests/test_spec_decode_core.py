@@ -243,3 +243,91 @@ def test_draft_model_drafts_are_left_to_the_runner() -> None:
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_pos[2] > 0
     assert len(h.outputs) < 25
+
+
+# ---------------------------------------------------------------- grammar-forced drafts
+def forced_fn(token_fn, every: int = 4, count: int = 3, wrong: int | None = None):
+    """At every ``every``-th output index the next ``count`` outputs are forced (a grammar's
+    next JSON key, say): ``token_fn``'s own tokens, except that with ``wrong`` the token at
+    that place of the run is another one (a forced tokenization the mask does not allow:
+    the verify rejects it there)."""
+
+    def forced(request_id: str, index: int) -> list[int]:
+        if index % every:
+            return []
+        run = [token_fn(request_id, index + j) for j in range(count)]
+        if wrong is not None:
+            run[wrong] = 1
+        return run
+
+    return forced
+
+
+def forced_verifies(h) -> list:
+    return [s for out in h.outputs for s in out.scheduled if s.spec_token_ids]
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["alone", "with-ngram"])
+def test_grammar_forced_tokens_are_verified_as_drafts(spec) -> None:
+    """Without speculative decoding (or in place of its n-gram drafts), a decode verifies
+    the tokens its grammar forces: outputs unchanged, in fewer steps, every forced token
+    accepted and counted, none past max_tokens, nothing leaks (12 blocks of 4 tokens for
+    four requests of up to 40 tokens: preemptions too)."""
+    token_fn = copy_fn(noise_every=7)
+    requests = [(f"r{i}", cycle_prompt(), 20 + 3 * i, {}) for i in range(4)]
+    off, h_off = run_outputs(spec, requests, token_fn=token_fn, num_blocks=12)
+    on, h = run_outputs(spec, requests, token_fn=token_fn, forced_fn=forced_fn(token_fn),
+                        num_blocks=12)
+    assert on == off
+    assert h.sched.stats.num_preemptions > 0
+    assert len(h.outputs) < len(h_off.outputs)
+    stats, max_tokens = h.sched.stats, {r[0]: r[2] for r in requests}
+    forced = []  # the verifies at an output index where the grammar forced tokens
+    for s in forced_verifies(h):
+        index = s.num_computed_tokens + 1 - len(cycle_prompt())
+        if run := forced_fn(token_fn)(s.request_id, index):
+            assert s.spec_token_ids == run[:len(s.spec_token_ids)]
+            assert index + len(s.spec_token_ids) < max_tokens[s.request_id]  # + the sampled
+            forced.append(s)
+    assert forced and stats.num_forced_draft_tokens == sum(len(s.spec_token_ids)
+                                                           for s in forced)
+    assert stats.num_forced_accepted_tokens == stats.num_forced_draft_tokens
+    if spec is not None:  # the n-gram drafts' counters leave the forced ones out
+        assert h.sched.spec.stats.num_draft_tokens == sum(
+            len(s.spec_token_ids) for s in forced_verifies(h)) - stats.num_forced_draft_tokens
+
+
+def test_a_refused_forced_token_is_rejected_and_its_slots_come_back() -> None:
+    """A forced run whose second token the model does not write: the verify keeps the
+    first, the rejected slots are free again, outputs are unchanged."""
+    token_fn = copy_fn()
+    requests = [(f"r{i}", cycle_prompt(), 24, {}) for i in range(3)]
+    off, _ = run_outputs(None, requests, token_fn=token_fn)
+    h = make_harness(token_fn=token_fn, forced_fn=forced_fn(token_fn, wrong=1))
+    reqs = [make_request(rid, prompt, n) for rid, prompt, n, _ in requests]
+    h.add(*reqs)
+    while h.sched.has_unfinished_requests():
+        h.step()
+        for request in h.sched.running:
+            assert len(h.kv.block_tables[request.request_id]) <= \
+                h.kv.blocks_needed(request.num_tokens)
+    assert_no_leak(h.sched)
+    assert {r.request_id: list(r.output_token_ids) for r in reqs} == off
+    stats = h.sched.stats
+    assert 0 < stats.num_forced_accepted_tokens < stats.num_forced_draft_tokens
+
+
+def test_forced_drafts_are_not_the_draft_models() -> None:
+    """method draft_model: a decode with forced tokens verifies them (ids set), the others
+    leave their drafts to the runner's draft model (no ids); outputs unchanged."""
+    requests = [(f"r{i}", list(range(100 + 40 * i, 130 + 40 * i)), 25, {}) for i in range(3)]
+    token_fn = lambda rid, i: 700 + i  # noqa: E731
+    off, _ = run_outputs(None, requests, token_fn=token_fn)
+    on, h = run_outputs(DRAFT, requests, token_fn=token_fn, draft_fn=token_fn,
+                        forced_fn=forced_fn(token_fn, every=5))
+    assert on == off
+    verifies = [s for out in h.outputs for s in out.scheduled if s.num_spec_tokens]
+    assert any(s.spec_token_ids for s in verifies) and any(not s.spec_token_ids
+                                                           for s in verifies)
+    assert h.sched.stats.num_forced_draft_tokens == sum(len(s.spec_token_ids)
+                                                        for s in verifies)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_KV_MEMORY
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, StructuredOutputsParams
 
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -193,6 +193,24 @@ def test_seeded_samples_equal_speculation_off(tiny_llama_dir, perturbed_draft,
     expect = [o.outputs[0].token_ids for o in off.generate(ids, params)]
     assert [o.outputs[0].token_ids for o in on.generate(ids, params)] == expect
     assert on.stats().spec_decode_num_accepted_tokens > 0
+    kv_free(on)
+
+
+def test_grammar_forced_drafts_beside_the_draft_models(tiny_llama_dir, perturbed_draft,
+                                                       kv_free) -> None:
+    """Constrained requests: in one step some verify what their grammar forces, others
+    what the draft model proposes (its K/V catching up on the forced tokens it never
+    read); the tokens equal speculation and forced drafts off."""
+    grammar = StructuredOutputsParams(grammar='root ::= ("abc" | "xy" | "z"){8,12} "!"')
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=40, structured_outputs=grammar)
+              for i, t in enumerate((0, 0, 0.8, 0.8))]
+    ids = [{"prompt_token_ids": p} for p in prompts()]
+    off = tiny(tiny_llama_dir, None, grammar_forced_drafts=False)
+    expect = [o.outputs[0].token_ids for o in off.generate(ids, params)]
+    on = tiny(tiny_llama_dir, perturbed_draft)
+    assert [o.outputs[0].token_ids for o in on.generate(ids, params)] == expect
+    stats = on.stats()
+    assert stats.grammar_forced_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
     kv_free(on)
 
 

@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.bench.datasets import sample_json_schema_requests
 from conveyor.server.tools import HermesToolParser, ToolCallStream
 
 PROMPTS = ["one two three", "the cat sat on", "東京 日本語 Привет", "def return print"]
@@ -118,6 +119,59 @@ def test_regex_choice_grammar_and_preemption(tiny_llama_dir, kv_free) -> None:
 def test_max_tokens_mid_structure_is_length(llm) -> None:
     out = llm.generate(PROMPTS[0], _json(SCHEMAS[-1]).replace(max_tokens=3))[0].outputs[0]
     assert out.finish_reason == "length"
+
+
+def test_forced_drafts_change_no_output(tiny_llama_dir, kv_free) -> None:
+    """The tokens a grammar forces are verified as drafts (grammar_forced_drafts, on by
+    default): the same tokens as without, greedy, seeded-sampled and n > 1, next to a free
+    request, under recompute preemption (12 blocks of 16 tokens), in fewer steps."""
+    kinds = [StructuredOutputsParams(json=s) for s in SCHEMAS] + [
+        StructuredOutputsParams(grammar='root ::= "x" ("abc" | "cd"){10,20} "!"'),
+        StructuredOutputsParams(choice=["apple", "banana split"])]
+    params = [SamplingParams(temperature=t, seed=i, n=2 if t else 1, max_tokens=60,
+                             structured_outputs=k)
+              for i, k in enumerate(kinds) for t in (0.0, 1.0)]
+    params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(len(params))]
+    runs = {}
+    for forced in (False, True):
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,
+                  max_model_len=1024, grammar_forced_drafts=forced)
+        runs[forced] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+        assert stats.num_preemptions > 0
+        kv_free(llm)
+    assert runs[True] == runs[False]
+    assert stats.grammar_forced_accepted_tokens > 50
+    assert stats.grammar_forced_accepted_tokens <= stats.grammar_forced_draft_tokens
+
+
+def test_forced_drafts_change_no_output_of_the_default_model(default_llm, kv_free) -> None:
+    """The json-schema benchmark's requests on the default model (float32), greedy, with a
+    free request beside them: the same tokens with forced drafts (default_llm) as without,
+    and a third of the tokens or so came as forced drafts."""
+    requests = sample_json_schema_requests(8, 48, seed=0)
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=
+                             StructuredOutputsParams(json=r.response_format["json_schema"]
+                                                     ["schema"]))
+              for r in requests]
+    prompts = [[{"role": "user", "content": r.prompt}] for r in requests]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts.append([{"role": "user", "content": "Name three rivers."}])
+    params.append(free)
+    before = default_llm.stats().grammar_forced_accepted_tokens
+    on = [o.outputs[0] for o in default_llm.chat(prompts, params)]
+    off_llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
+                  grammar_forced_drafts=False)
+    off = [o.outputs[0] for o in off_llm.chat(prompts, params)]
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    accepted = default_llm.stats().grammar_forced_accepted_tokens - before
+    assert accepted > 0.2 * sum(len(c.token_ids) for c in on[:-1])
+    for c, r in zip(on[:-1], requests, strict=True):
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), r.response_format["json_schema"]["schema"])
+    kv_free(default_llm)
+    kv_free(off_llm)
 
 
 # Ambiguous (every split of a run of "a"s and "#"s parses, through 10 rules): it compiles

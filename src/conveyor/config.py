@@ -266,12 +266,18 @@ class StructuredOutputsConfig:
              "is refused (400)")
     max_grammar_bytes: int = setting(
         65536, "longest JSON Schema, regex, grammar or choice list accepted (characters)")
+    grammar_forced_drafts: bool = setting(
+        True, "verify the tokens a structured-output grammar forces next (a JSON object's "
+              "next key, say) as drafts in one step instead of one step each; outputs do not "
+              "change")
 
     def __post_init__(self) -> None:
         _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout", "> 0 seconds",
                  self.grammar_compile_timeout)
         _require(self.max_grammar_bytes >= 1, "max_grammar_bytes", ">= 1",
                  self.max_grammar_bytes)
+        _require(isinstance(self.grammar_forced_drafts, bool), "grammar_forced_drafts",
+                 "true or false", self.grammar_forced_drafts)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class GrammarCounters:
     compiles: int
     cache_hits: int
     compile_seconds: float
+    forced_tokens: int = 0  # tokens the grammars forced, verified as drafts
+    forced_accepted: int = 0  # of those, kept
 
     @property
     def mean_compile_ms(self) -> float:
@@ -142,7 +144,14 @@ def _counters(before: dict[str, Any] | None, after: dict[str, Any] | None
     return GrammarCounters(
         compiles=after["grammar_compiles"] - before["grammar_compiles"],
         cache_hits=after["grammar_cache_hits"] - before["grammar_cache_hits"],
-        compile_seconds=after["grammar_compile_seconds"] - before["grammar_compile_seconds"])
+        compile_seconds=after["grammar_compile_seconds"] - before["grammar_compile_seconds"],
+        forced_tokens=_delta(before, after, "grammar_forced_draft_tokens"),
+        forced_accepted=_delta(before, after, "grammar_forced_accepted_tokens"))
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
+    """A counter's growth over the run (0 from a server too old to have it)."""
+    return int(after.get(key, 0) - before.get(key, 0))
 
 
 async def run_structured_comparison(config: BenchmarkConfig) -> StructuredComparison:
@@ -193,6 +202,8 @@ def format_comparison(c: StructuredComparison) -> str:
         g = c.grammar
         lines += [_under_json_schema("Grammar compiles:", g.compiles, "d"),
                   _under_json_schema("Mean grammar compile (ms):", g.mean_compile_ms, ".2f"),
-                  _under_json_schema("Grammar cache hit rate:", g.cache_hit_rate, ".3f")]
+                  _under_json_schema("Grammar cache hit rate:", g.cache_hit_rate, ".3f"),
+                  _under_json_schema("Forced tokens drafted:", g.forced_tokens, "d"),
+                  _under_json_schema("Forced tokens accepted:", g.forced_accepted, "d")]
     lines.append("free, matched: max_tokens = the json_schema twin's output, ignore_eos")
     return "\n".join([*lines, "=" * TABLE_WIDTH])

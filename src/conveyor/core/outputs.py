@@ -43,9 +43,10 @@ class ScheduledRequest:
     # given KV slots: the step computes the request's last token plus these. Never part of
     # the request's tokens (nor of the prefix cache) until the runner accepts them.
     num_spec_tokens: int = 0
-    # Their ids when the scheduler proposed them (method ngram). Empty with a draft model
-    # (method draft_model): the runner's draft model proposes num_spec_tokens tokens at the
-    # start of the step, before the target model verifies them.
+    # Their ids when the scheduler proposed them (method ngram, or the tokens a grammar
+    # forces). Empty with a draft model (method draft_model): the runner's draft model
+    # proposes num_spec_tokens tokens at the start of the step, before the target model
+    # verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
 
 
@@ -101,3 +102,7 @@ class ModelRunnerOutput:
     # Seconds the draft model spent proposing this step's drafts (method draft_model): the
     # scheduler's cost model charges them to the drafts, not to the step's tokens
     draft_seconds: float = 0.0
+    # request_id -> the tokens its structured-output grammar forces after this step's
+    # tokens (llguidance's canonical tokenization of the bytes it must write next; absent:
+    # none). The scheduler has its next decode verify them as drafts.
+    forced_token_ids: dict[str, list[int]] = field(default_factory=dict)

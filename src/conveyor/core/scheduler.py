@@ -9,6 +9,10 @@ blocks are freed and its tokens recomputed on resume).
 
 With speculative decoding (``spec_decode.SpecDecoder``), running decodes may then carry
 drafted tokens to verify, paid from the same budget, before waiting requests are admitted.
+A structured-output request whose grammar forces its next tokens (the runner reports them,
+``ModelRunnerOutput.forced_token_ids``: a JSON object's next key, say) verifies those as its
+drafts, with or without speculative decoding: its mask allows only them, so they are
+accepted and the output is the same, in fewer steps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from conveyor.request import Request, RequestStatus
 # Admission keeps this share of blocks free so newly admitted requests rarely force a
 # preemption on their next decode (vLLM uses the same 1% watermark).
 ADMISSION_WATERMARK = 0.01
+# Most grammar-forced tokens one verify carries (the step's budget and max_tokens bound it too).
+MAX_FORCED_DRAFTS = 16
 
 
 @dataclass
@@ -41,6 +47,8 @@ class SchedulerStats:
     num_steps: int = 0
     peak_running: int = 0  # most sequences running in one step
     peak_kv_utilization: float = 0.0  # at that peak: share of allocated KV slots holding tokens
+    num_forced_draft_tokens: int = 0  # grammar-forced tokens verified as drafts
+    num_forced_accepted_tokens: int = 0  # of those, accepted (all, unless a stop came first)
 
 
 class Scheduler:
@@ -61,6 +69,9 @@ class Scheduler:
         self._watermark_blocks = int(ADMISSION_WATERMARK * kv_cache.num_blocks)
         self.spec = SpecDecoder(speculative) if speculative is not None else None
         self._step_started = 0.0  # perf_counter() when the last schedule() returned
+        # request id -> the tokens its grammar forces after its last token (runner-reported)
+        self._forced: dict[str, list[int]] = {}
+        self._forced_verifies: set[str] = set()  # this step's verifies of forced tokens
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, request: Request) -> None:
@@ -114,6 +125,7 @@ class Scheduler:
         self.policy.forget(request)
         if self.spec is not None:
             self.spec.forget(request.request_id)
+        self._forced.pop(request.request_id, None)
         request.status = status
         request.times.finished = time.time()
         self.kv_cache.free(request)
@@ -127,7 +139,8 @@ class Scheduler:
         self.kv_cache.begin_step()
         step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
-        if self.spec is not None and not step.preempted:
+        self._forced_verifies = set()
+        if (self.spec is not None or self._forced) and not step.preempted:
             self._schedule_drafts(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -157,20 +170,31 @@ class Scheduler:
                 step.add(request, num_new, table)
 
     def _schedule_drafts(self, step: _StepBuilder) -> None:
-        """Give this step's decodes drafted tokens to verify, from the budget left. A draft
-        never preempts anyone: without free blocks for it, the request decodes plainly."""
-        assert self.spec is not None
+        """Give this step's decodes drafted tokens to verify, from the budget left: the
+        tokens their grammar forces, else speculative drafts. A draft never preempts anyone:
+        without free blocks for it, the request decodes plainly."""
         decodes = [r for r in self.running if (item := step.scheduled.get(r.request_id))
                    and item.num_new_tokens == 1 and item.samples
                    and r.num_computed_tokens >= r.num_prompt_tokens]
-        scheduled = self.config.max_num_batched_tokens - step.budget
-        self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
+        if self.spec is not None:
+            scheduled = self.config.max_num_batched_tokens - step.budget
+            self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
         for request in decodes:
             # The drafts and the token sampled after them stay within max_tokens.
             limit = min(step.budget, request.max_tokens - request.num_output_tokens - 1)
-            num, drafts = self.spec.propose(request, limit) if limit > 0 else (0, [])
+            if limit <= 0:
+                continue
+            if forced := self._forced.get(request.request_id):
+                drafts = forced[:min(limit, MAX_FORCED_DRAFTS)]
+                num = len(drafts)
+            elif self.spec is not None:
+                num, drafts = self.spec.propose(request, limit)
+            else:
+                continue
             if num and (table := self.kv_cache.allocate_slots(request, 1 + num)) is not None:
                 step.add_drafts(request, num, drafts, table)
+                if forced:
+                    self._forced_verifies.add(request.request_id)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         if not self._may_admit():
@@ -286,9 +310,10 @@ class Scheduler:
         Returns the requests that got a new token (finished ones included).
         """
         if self.spec is not None:
+            proposed = sum(s.num_spec_tokens for s in scheduler_output.scheduled
+                           if s.request_id not in self._forced_verifies)  # not the forced
             self.spec.record_step(scheduler_output.total_num_scheduled_tokens,
-                                  time.perf_counter() - self._step_started,
-                                  sum(s.num_spec_tokens for s in scheduler_output.scheduled),
+                                  time.perf_counter() - self._step_started, proposed,
                                   runner_output.draft_seconds)
         updated = []
         now = time.time()
@@ -299,11 +324,19 @@ class Scheduler:
             tokens = runner_output.sampled_token_ids[item.request_id] if item.samples else []
             self._advance(request, item, tokens)
             if tokens:
+                # what its grammar forces next, if it goes on
+                self._set_forced(request, runner_output.forced_token_ids.get(item.request_id))
                 if request.times.first_token is None:
                     request.times.first_token = now
                 request.times.last_token = now
                 updated.append(request)
         return updated
+
+    def _set_forced(self, request: Request, forced: list[int] | None) -> None:
+        if forced and request.request_id in self.requests:
+            self._forced[request.request_id] = forced
+        else:
+            self._forced.pop(request.request_id, None)
 
     def _advance(self, request: Request, item: ScheduledRequest, tokens: list[int]) -> None:
         """Take one step's result: its computed tokens (the rejected drafts' KV does not
@@ -319,7 +352,10 @@ class Scheduler:
                 break  # the tokens after a stop are dropped
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
         self.kv_cache.cache_computed_blocks(request)  # verified tokens only
-        if num_drafts and self.spec is not None:
+        if request.request_id in self._forced_verifies:
+            self.stats.num_forced_draft_tokens += num_drafts
+            self.stats.num_forced_accepted_tokens += num_accepted
+        elif num_drafts and self.spec is not None:
             self.spec.record(request.request_id, num_drafts, num_accepted)
         if status is not None:
             self._finish(request, status)

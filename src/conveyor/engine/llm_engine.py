@@ -130,7 +130,8 @@ class LLMEngine:
                 self.device, args.enforce_eager, self.scheduler_config.max_num_seqs,
                 self.scheduler_config.max_model_len, self.kv_layout.block_size)
             return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars,
-                               drafter=drafter, cuda_graphs=graphs)
+                               drafter=drafter, cuda_graphs=graphs,
+                               forced_drafts=args.grammar_forced_drafts)
 
         self.executor = executor = TensorParallelExecutor.start(
             args, self.model_config, self.device, self.dtype, self.kv_layout)
@@ -138,7 +139,8 @@ class LLMEngine:
         try:
             model = load_model(checkpoint, args, self.device, self.dtype, executor.tp)
             return executor.attach(ModelRunner(model, self.kv_layout, self.device, args.seed,
-                                               self.grammars))
+                                               self.grammars,
+                                               forced_drafts=args.grammar_forced_drafts))
         except BaseException:
             executor.shutdown()
             raise
@@ -192,6 +194,8 @@ class LLMEngine:
             grammar_compiles=grammar.num_compiles,
             grammar_cache_hits=grammar.num_cache_hits,
             grammar_compile_seconds=grammar.compile_seconds,
+            grammar_forced_draft_tokens=sched.stats.num_forced_draft_tokens,
+            grammar_forced_accepted_tokens=sched.stats.num_forced_accepted_tokens,
             **spec_decode_fields(sched.spec.stats if sched.spec is not None else None),
         )
 

@@ -43,6 +43,9 @@ class EngineStats:
     grammar_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     grammar_cache_hits: int = 0  # constrained requests whose grammar was cached
     grammar_compile_seconds: float = 0.0  # total compile time
+    # tokens a grammar forced, verified as drafts (grammar_forced_drafts), and of those kept
+    grammar_forced_draft_tokens: int = 0
+    grammar_forced_accepted_tokens: int = 0
     # Speculative decoding (vLLM's spec_decode_* names; zeros when it is off):
     spec_decode_num_drafts: int = 0  # verifies (a request's step with drafted tokens)
     spec_decode_num_draft_tokens: int = 0  # tokens drafted

@@ -109,6 +109,7 @@ class DraftModelProposer:
         self.kv_caches, self.swap_space = allocate_kv_caches(model, layout, device)
         # request id -> leading positions whose draft K/V is valid
         self.computed: dict[str, int] = {}
+        self.proposed: set[str] = set()  # the verifies whose drafts it proposed this step
 
     def forget(self, request_id: str) -> None:
         """A request finished, or (re)joined: its draft K/V is to be computed anew."""
@@ -118,7 +119,9 @@ class DraftModelProposer:
                 ) -> list[ScheduledRequest]:
         """Draft each verify's ``num_spec_tokens`` tokens (catching the draft K/V up
         first); ``batch`` with ``spec_token_ids`` set. No draft pass when nothing drafts."""
-        verifies = [s for s in batch if s.num_spec_tokens]
+        # (A verify whose drafts are set already carries the tokens its grammar forces.)
+        verifies = [s for s in batch if s.num_spec_tokens and not s.spec_token_ids]
+        self.proposed = {s.request_id for s in verifies}
         if not verifies:
             return batch
         # Each verify's catch-up chunk: its valid draft K/V up to its last verified token (a
@@ -139,14 +142,17 @@ class DraftModelProposer:
                                   [s.num_computed_tokens + offset for s in rows])
             for s, token in zip(rows, self._greedy(hidden), strict=True):
                 drafts[s.request_id].append(token)
-        return [replace(s, spec_token_ids=drafts[s.request_id]) if s.num_spec_tokens else s
-                for s in batch]
+        return [replace(s, spec_token_ids=drafts[s.request_id]) if s.request_id in drafts
+                else s for s in batch]
 
     def record(self, samplers: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
         """After the target's verify: each verify's draft K/V is valid through its last
-        verified token and the accepted drafts the draft model read (all but its last)."""
+        verified token and the accepted drafts the draft model read (all but its last).
+        Drafts it did not propose (forced by a grammar) it has not read: its K/V catches
+        up on them at the request's next draft."""
         for s in samplers:
-            if s.num_spec_tokens and (tokens := output.sampled_token_ids.get(s.request_id)):
+            if s.request_id in self.proposed and (
+                    tokens := output.sampled_token_ids.get(s.request_id)):
                 accepted = min(len(tokens) - 1, s.num_spec_tokens - 1)
                 self.computed[s.request_id] = s.num_computed_tokens + 1 + accepted
 

@@ -132,7 +132,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  seed: int = 0, grammars: GrammarCompiler | None = None,
                  sampling: bool = True, drafter: DraftModelProposer | None = None,
-                 cuda_graphs: CudaGraphSpec | None = None) -> None:
+                 cuda_graphs: CudaGraphSpec | None = None, forced_drafts: bool = True) -> None:
         self.model = model
         # False on tensor-parallel ranks other than 0: they run the model (its collectives)
         # and keep the tokens in step with rank 0's samples (``add_sampled``), but rank 0
@@ -161,6 +161,8 @@ class ModelRunner:
         # across preemption, like the sampler state: its outputs are kept too).
         self.grammars = grammars
         self.matchers: dict[str, LLMatcher] = {}
+        # Report the tokens each grammar forces next (the scheduler drafts them)
+        self.forced_drafts = forced_drafts
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
 
     def use_backend(self, backend: OpsBackend) -> None:
@@ -253,6 +255,8 @@ class ModelRunner:
                 result.errors[s.request_id] = f"structured output failed: {why}"
             else:  # (EOS after the grammar's end leaves the matcher "stopped in consume")
                 matcher.consume_tokens(tokens)
+                if self.forced_drafts and (forced := matcher.compute_ff_tokens()):
+                    result.forced_token_ids[s.request_id] = forced
         return result
 
     def add_sampled(self, sampled: dict[str, list[int]]) -> None:
