@@ -1,5 +1,6 @@
-"""The float32 matmul kernels (ops/csrc/f32_linear.cpp: AVX2 and FMA), which every float32
-matmul takes on CPU: on lane tiles of a float32 weight or on GGUF blocks.
+"""The float32 matmul kernels (ops/csrc/f32_linear.cpp: AVX2 and FMA, on 16-lane registers
+with AVX-512), which every float32 matmul takes on CPU: on lane tiles of a float32 weight or
+on GGUF blocks.
 
 What makes float32 serving batch-invariant is tested here at the kernel level: a row's result
 does not depend on how many rows share the call (torch's own float32 matmul switches kernels
@@ -84,6 +85,49 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
                                                    torch.float32), None)
     assert want.abs().max() > 0.1  # a real product, not zeros
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.fixture
+def lanes(kops):
+    """f32_vector_lanes, restored after the test."""
+    widest = kops.f32_vector_lanes()
+    yield widest
+    kops.f32_vector_lanes(widest)
+
+
+def test_avx512_registers_give_the_avx2_bits(kops, lanes) -> None:
+    """With AVX-512 the kernels join two 8-row tiles in a 16-lane register and take 6 tokens
+    at a time (AVX2: 3): every output keeps its lane's operations, so each result has the
+    same bits as on 8 lanes; on blocks and lane tiles, with and without bias, for row counts
+    around every register tile and task shape (24 and 40 outputs: an odd tile count, half a
+    register). On an AVX2-only CPU there are only 8 lanes, and asking for 16 is refused."""
+    if lanes == 8:
+        with pytest.raises(RuntimeError, match="8 or 8 on this CPU"):
+            kops.f32_vector_lanes(16)
+        assert kops.f32_vector_lanes() == 8
+        return
+    assert lanes == 16
+    gen = torch.Generator().manual_seed(5)
+    weights = []
+    for qtype in TYPES:
+        raw = random_blocks(qtype, 80, 576, seed=int(qtype))
+        weights.append(kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.float32))
+    for out_features, in_features in [(80, 576), (24, 70), (40, 33)]:
+        weights.append(kops.pack_dot_weight(torch.randn(out_features, in_features,
+                                                        generator=gen)))
+    for w in weights:
+        n = w.size(0) * 8
+        k = w.size(1) * 32 if w.dtype == torch.uint8 else w.size(1)
+        bias = torch.randn(n, generator=gen)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 65, 150):
+            x = torch.randn(rows, k, generator=gen)
+            for b in (bias, None):
+                kops.f32_vector_lanes(8)
+                narrow = kops.dot_linear(x, w, b)
+                kops.f32_vector_lanes(16)
+                assert torch.equal(kops.dot_linear(x, w, b), narrow), (w.shape, rows)
+    with pytest.raises(RuntimeError, match="8 or 16 on this CPU"):
+        kops.f32_vector_lanes(4)
 
 
 def test_f32_kernels_refuse_what_they_cannot_read(kops) -> None:

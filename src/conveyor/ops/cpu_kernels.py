@@ -118,9 +118,16 @@ def dot_kernels_available() -> bool:
 @functools.cache
 def f32_kernels_available() -> bool:
     """Whether float32 matmuls take the AVX2 dot kernels (``dot_linear`` on float32: one
-    kernel for every batch size; ``csrc/f32_linear.cpp``): the C++ kernels are built with AVX2
-    and FMA. Every CPU that runs float32 by default (no bf16 matrix units) has them."""
+    kernel for every batch size; ``csrc/f32_linear.cpp``, on 16-lane registers with AVX-512):
+    the C++ kernels are built with AVX2 and FMA. Every CPU that runs float32 by default (no
+    bf16 matrix units) has them."""
     return load_cpu_kernels() and bool(torch.ops.conveyor.f32_linear_available())
+
+
+def f32_vector_lanes(lanes: int = 0) -> int:
+    """Outputs per register of the float32 kernels (16 with AVX-512, else 8: the same bits
+    either way); ``lanes`` > 0 sets it first (8, or this CPU's widest: for comparisons)."""
+    return int(torch.ops.conveyor.f32_vector_lanes(lanes))
 
 
 # ---------------------------------------------------------------- the kernels, typed

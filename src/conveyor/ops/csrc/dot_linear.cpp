@@ -147,6 +147,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("dot_linear_available() -> bool", &conveyor::dot_linear_available);
   m.def("f32_linear_available() -> bool", &conveyor::f32_linear_available);
+  m.def("f32_vector_lanes(int lanes=0) -> int", &conveyor::f32_vector_lanes);
   m.def("pack_dot_blocks(Tensor raw, int type, ScalarType dtype) -> Tensor",
         &conveyor::pack_dot_blocks);
   m.def("pack_dot_weight(Tensor w) -> Tensor", &conveyor::pack_dot_weight);

@@ -1,13 +1,15 @@
 // float32 matmuls with AVX2 and FMA, for CPUs without bf16 matrix units (AMD Zen 2 and 3,
-// Intel before Cooper Lake), where the engine runs float32: one kernel family for every row
-// count, so a row's result never depends on how many rows share the call (torch's float32
-// matmul switches kernels by row count, and its single-row results differ in the last bits).
+// Intel before Cooper Lake: Skylake, Cascade Lake, Ice Lake), where the engine runs float32:
+// one kernel family for every row count, so a row's result never depends on how many rows
+// share the call (torch's float32 matmul switches kernels by row count, and its single-row
+// results differ in the last bits). With AVX-512 the same kernels run on 16-lane registers.
 //
 // y[m, n] = b[n] + sum_k x[m, k] w[n, k]. Lane tiles: per 8 output rows, [K][8] floats, so one
-// vfmadd231ps with input k of a token broadcast adds its products to 8 outputs' sums. Each
-// output is one lane, summed over k in order with fused multiply-adds, then the bias added:
-// the register tile (up to 3 tokens x 32 outputs) and the thread only choose which register
-// holds an output, never its operations.
+// vfmadd231ps with input k of a token broadcast adds its products to 8 outputs' sums (with
+// AVX-512, two tiles joined in a register: 16). Each output is one lane, summed over k in order
+// with fused multiply-adds, then the bias added: the register width, the register tile (up to
+// 3 tokens x 32 outputs, with AVX-512 6 x 64) and the thread only choose which register holds
+// an output, never its operations, so AVX2 and AVX-512 give the same bits.
 //
 // GGUF blocks (pack_f32_blocks) are read in place: per block of 32 inputs the quantized values
 // are exact as floats, so the block's sum is taken over them and the scales factored out, as
@@ -32,6 +34,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,10 +46,7 @@ namespace conveyor {
 namespace f32 {
 
 constexpr int64_t kLanes = 8;      // output rows of a lane tile (and of a record)
-constexpr int64_t kGroups = 4;     // lane tiles per task: 32 outputs
-constexpr int kF32Tokens = 3;      // 3 tokens x 4 tiles: 12 sums in registers
 constexpr int64_t kF32Pass = 64;   // tokens per pass over a task's weights
-constexpr int64_t kInPlace = 3;    // up to this many tokens, records are converted in registers
 
 struct RecordFormat {
   int64_t q_bytes;  // where d begins (then m, for Q4_1)
@@ -70,118 +71,226 @@ int64_t type_of_f32_record(int64_t bytes) {
 
 #ifdef CONVEYOR_AVX2
 
-// Output tiles [n0, n0 + 8 * groups) of rows [m0, m0 + MR) = the sums plus the bias.
-template <int MR>
-inline void store_sums(const __m256 (&acc)[MR][kGroups], int64_t groups, const float* bias,
+// ------------------------------------------------------------------ vector widths
+// A register holds V::kTiles lane tiles side by side: V8 one (AVX2: 8 outputs), V16 two
+// (AVX-512: 16 outputs, the two tiles' 8 floats or record bytes joined on load). Every output
+// is one lane either way, with the same operations in the same order: V16 gives V8's bits in
+// half the arithmetic instructions. The packed layouts (8-row tiles and records) are the same.
+struct V8 {
+  using T = __m256;
+  using I = __m256i;
+  static constexpr int64_t kTiles = 1;
+  static constexpr int kRegs = 4;  // registers per token in a task: 32 outputs
+  static constexpr int kTokens = 3;  // tokens x registers: 12 sums in registers
+  static constexpr int kInPlace = 3;  // up to this many tokens, records convert in registers
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float v) { return _mm256_set1_ps(v); }
+  static T bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T load(const float* p) { return _mm256_load_ps(p); }
+  static T loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_store_ps(p, v); }
+  static void storeu(float* p, T v) { _mm256_storeu_ps(p, v); }
+  // The first `tiles` tiles' floats at p (here always the one)
+  static T load_tiles(const float* p, int64_t /*tiles*/) { return _mm256_loadu_ps(p); }
+  static void store_tiles(float* p, T v, int64_t /*tiles*/) { _mm256_storeu_ps(p, v); }
+  // 8 floats of tile a (b: the register's second tile, V16 only)
+  static T tiles(const float* a, const float* /*b*/) { return _mm256_loadu_ps(a); }
+  // 8 bytes of tile a, zero- or sign-extended to 32-bit integers
+  static I bytes_u(const uint8_t* a, const uint8_t* /*b*/) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)a));
+  }
+  static I bytes_s(const uint8_t* a, const uint8_t* /*b*/) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)a));
+  }
+  static T low_nibbles(I v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))); }
+  static T high_nibbles(I v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+  static T floats(I v) { return _mm256_cvtepi32_ps(v); }
+  // 8 fp16 values of tile a as floats
+  static T halves(const uint8_t* a, const uint8_t* /*b*/) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)a));
+  }
+};
+
+#ifdef __AVX512F__
+struct V16 {
+  using T = __m512;
+  using I = __m512i;
+  static constexpr int64_t kTiles = 2;
+  static constexpr int kRegs = 4;  // 64 outputs
+  static constexpr int kTokens = 6;  // 24 sums in registers (of 32)
+  static constexpr int kInPlace = 3;  // (more: blk and sums no longer fit)
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float v) { return _mm512_set1_ps(v); }
+  static T bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T load(const float* p) { return _mm512_load_ps(p); }
+  static T loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_store_ps(p, v); }
+  static void storeu(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T load_tiles(const float* p, int64_t tiles) {
+    return tiles == 2 ? _mm512_loadu_ps(p) : _mm512_castps256_ps512(_mm256_loadu_ps(p));
+  }
+  static void store_tiles(float* p, T v, int64_t tiles) {
+    if (tiles == 2) _mm512_storeu_ps(p, v);
+    else _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
+  }
+  static T join(__m256 a, __m256 b) {  // AVX512F has no insertf32x8 (DQ): as doubles
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                                               _mm256_castps_pd(b), 1));
+  }
+  static T tiles(const float* a, const float* b) {
+    return join(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+  }
+  static __m128i two_words(const uint8_t* a, const uint8_t* b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b));
+  }
+  static I bytes_u(const uint8_t* a, const uint8_t* b) { return _mm512_cvtepu8_epi32(two_words(a, b)); }
+  static I bytes_s(const uint8_t* a, const uint8_t* b) { return _mm512_cvtepi8_epi32(two_words(a, b)); }
+  static T low_nibbles(I v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))); }
+  static T high_nibbles(I v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+  static T floats(I v) { return _mm512_cvtepi32_ps(v); }
+  static T halves(const uint8_t* a, const uint8_t* b) {
+    const __m256i h = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)), _mm_loadu_si128((const __m128i*)b), 1);
+    return _mm512_cvtph_ps(h);
+  }
+};
+#endif
+
+// f(std::integral_constant<int, r>) for r = min(rows, Max): a kernel's token count as a
+// template argument.
+template <int Max, class F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_rows<Max - 1>(rows, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// Lane tiles a task covers: kRegs registers per token.
+template <class V>
+constexpr int64_t kTaskTiles = V::kRegs * V::kTiles;
+
+// Output tiles [n0, n0 + 8 * here) of rows [m0, m0 + MR) = the sums plus the bias.
+template <class V, int MR>
+inline void store_sums(const typename V::T (&acc)[MR][V::kRegs], int64_t here, const float* bias,
                        float* y, int64_t n, int64_t n0, int64_t m0) {
-  for (int64_t j = 0; j < groups; ++j) {
-    const int64_t col = n0 + j * kLanes;
-    const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
-    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * n + col, _mm256_add_ps(acc[i][j], b));
+  for (int64_t j = 0; j < V::kRegs && j * V::kTiles < here; ++j) {
+    const int64_t tiles = std::min(V::kTiles, here - j * V::kTiles);
+    const int64_t col = n0 + j * V::kTiles * kLanes;
+    const typename V::T b = bias ? V::load_tiles(bias + col, tiles) : V::zero();
+    for (int i = 0; i < MR; ++i) V::store_tiles(y + (m0 + i) * n + col, V::add(acc[i][j], b), tiles);
   }
 }
 
 // ------------------------------------------------------------------ lane tiles (float32 weights)
-template <int MR>
-void dense_tokens(const float* x, int64_t k, const float* const g[kGroups], int64_t groups,
+template <class V, int MR>
+void dense_tokens(const float* x, int64_t k, const float* const* g, int64_t here,
                   const float* bias, float* y, int64_t n, int64_t n0, int64_t m0) {
-  __m256 acc[MR][kGroups];
+  typename V::T acc[MR][V::kRegs];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < V::kRegs; ++j) acc[i][j] = V::zero();
   const float* xr = x + m0 * k;
   for (int64_t c = 0; c < k; ++c) {
+    typename V::T w[V::kRegs];
+    for (int j = 0; j < V::kRegs; ++j)
+      w[j] = V::tiles(g[j * V::kTiles] + c * kLanes, g[j * V::kTiles + V::kTiles - 1] + c * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const __m256 xb = _mm256_broadcast_ss(xr + i * k + c);
-      for (int j = 0; j < kGroups; ++j)
-        acc[i][j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(g[j] + c * kLanes), acc[i][j]);
+      const typename V::T xb = V::bcast(xr + i * k + c);
+      for (int j = 0; j < V::kRegs; ++j) acc[i][j] = V::fma(xb, w[j], acc[i][j]);
     }
   }
-  store_sums<MR>(acc, groups, bias, y, n, n0, m0);
+  store_sums<V, MR>(acc, here, bias, y, n, n0, m0);
 }
 
 // Calls f(tiles, first, here, m0, m1) for every task: token rows [m0, m1) (a pass of at most
 // kF32Pass, all passes alike: TokenPasses) against lane tiles [first, first + here) (at most
-// kGroups, each `tile` elements from w; absent ones point at `zeros`). Tasks run pass-major, so
-// a thread's run of tasks shares x's rows.
-template <class T, class F>
-void for_each_task(const T* w, int64_t tile, int64_t groups, int64_t m, const T* zeros, F&& f) {
-  const int64_t tasks = (groups + kGroups - 1) / kGroups;
+// kTaskTiles, each `tile` elements from w; absent ones point at `zeros`). Tasks run
+// pass-major, so a thread's run of tasks shares x's rows.
+template <class V, class T, class F>
+void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, const T* zeros, F&& f) {
+  constexpr int64_t per = kTaskTiles<V>;
+  const int64_t tasks = (tiles + per - 1) / per;
   const TokenPasses passes(m, kF32Pass);
   at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * kGroups;
-      const int64_t here = std::min(kGroups, groups - first);
-      const T* g[kGroups];
-      for (int64_t j = 0; j < kGroups; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
+      const int64_t pass = task / tasks, first = (task % tasks) * per;
+      const int64_t here = std::min(per, tiles - first);
+      const T* g[per];
+      for (int64_t j = 0; j < per; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
       f(g, first, here, passes.begin(pass), passes.end(pass, m));
     }
   });
 }
 
+template <class V>
 void dense_linear(const float* x, const float* w, const float* bias, float* y, int64_t m,
                   int64_t n, int64_t k) {
   const std::vector<float> zeros(static_cast<size_t>(k * kLanes), 0.f);
-  for_each_task(w, k * kLanes, n / kLanes, m, zeros.data(),
-                [&](const float* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
-    for (; m0 < m1; m0 += kF32Tokens) {
-      switch (std::min<int64_t>(kF32Tokens, m1 - m0)) {
-        case 1: dense_tokens<1>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-        case 2: dense_tokens<2>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-        default: dense_tokens<3>(x, k, g, here, bias, y, n, first * kLanes, m0); break;
-      }
-    }
+  for_each_task<V>(w, k * kLanes, n / kLanes, m, zeros.data(),
+                   [&](const float* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
+    for (; m0 < m1; m0 += V::kTokens)
+      with_rows<V::kTokens>(m1 - m0, [&](auto rows) {
+        dense_tokens<V, decltype(rows)::value>(x, k, g, here, bias, y, n, first * kLanes, m0);
+      });
   });
 }
 
 // ------------------------------------------------------------------ GGUF blocks
-// Inputs 2c and 2c + 1 of a record's 8 rows, as floats (exact).
-template <int64_t Type>
-inline void record_pair(const uint8_t* rec, int64_t c, __m256& even, __m256& odd) {
-  if constexpr (Type == kQ8_0) {
-    even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(rec + c * 16))));
-    odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(rec + c * 16 + 8))));
-  } else {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(rec + c * 8)));
-    const __m256i nib = _mm256_set1_epi32(0xF);
-    even = _mm256_cvtepi32_ps(_mm256_and_si256(v, nib));
-    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    if constexpr (Type == kQ4_0) {
-      even = _mm256_sub_ps(even, _mm256_set1_ps(8.f));
-      odd = _mm256_sub_ps(odd, _mm256_set1_ps(8.f));
+// A task's weights, converted in registers from its records (absent ones: a zero record).
+// Register j holds tiles j * kTiles .. (j + 1) * kTiles - 1.
+template <class V, int64_t Type>
+struct Records {
+  using T = typename V::T;
+  const uint8_t* first[kTaskTiles<V>];  // block 0's record of each tile
+  int64_t stride;                       // bytes from a tile's block to its next
+  const uint8_t* tile(int64_t j, int64_t b, int64_t which) const {
+    return first[j * V::kTiles + which] + b * stride;
+  }
+  // Inputs 2c and 2c + 1 of the register's rows, as floats (exact).
+  void pair(int64_t j, int64_t b, int64_t c, T& even, T& odd) const {
+    const uint8_t *a = tile(j, b, 0), *z = tile(j, b, V::kTiles - 1);
+    if constexpr (Type == kQ8_0) {
+      even = V::floats(V::bytes_s(a + c * 16, z + c * 16));
+      odd = V::floats(V::bytes_s(a + c * 16 + 8, z + c * 16 + 8));
+    } else {
+      const typename V::I v = V::bytes_u(a + c * 8, z + c * 8);
+      even = V::low_nibbles(v);
+      odd = V::high_nibbles(v);
+      if constexpr (Type == kQ4_0) {
+        even = V::sub(even, V::set1(8.f));
+        odd = V::sub(odd, V::set1(8.f));
+      }
     }
   }
-}
-
-inline __m256 record_halves(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
-
-// A task's weights, converted in registers from its records (absent ones: a zero record).
-template <int64_t Type>
-struct Records {
-  const uint8_t* first[kGroups];  // block 0's record of each tile
-  int64_t stride;                 // bytes from a tile's block to its next
-  void pair(int64_t j, int64_t b, int64_t c, __m256& even, __m256& odd) const {
-    record_pair<Type>(first[j] + b * stride, c, even, odd);
+  T scale(int64_t j, int64_t b) const {
+    const int64_t q = record_format(Type).q_bytes;
+    return V::halves(tile(j, b, 0) + q, tile(j, b, V::kTiles - 1) + q);
   }
-  __m256 scale(int64_t j, int64_t b) const {
-    return record_halves(first[j] + b * stride + record_format(Type).q_bytes);
-  }
-  __m256 min(int64_t j, int64_t b) const {  // after the 8 scales (Q4_1)
-    return record_halves(first[j] + b * stride + record_format(Type).q_bytes + 16);
+  T min(int64_t j, int64_t b) const {  // after the 8 scales (Q4_1)
+    const int64_t q = record_format(Type).q_bytes + 16;
+    return V::halves(tile(j, b, 0) + q, tile(j, b, V::kTiles - 1) + q);
   }
 };
 
 // One block of a task's weights, converted once into L1.
+template <class V>
 struct BlockWeights {
-  alignas(32) float q[kGroups][32][kLanes];
-  __m256 scales[kGroups], mins[kGroups];
-  void pair(int64_t j, int64_t /*b*/, int64_t c, __m256& even, __m256& odd) const {
-    even = _mm256_load_ps(q[j][2 * c]);
-    odd = _mm256_load_ps(q[j][2 * c + 1]);
+  using T = typename V::T;
+  static constexpr int64_t kWidth = V::kTiles * kLanes;
+  alignas(64) float q[V::kRegs][32][kWidth];
+  T scales[V::kRegs], mins[V::kRegs];
+  void pair(int64_t j, int64_t /*b*/, int64_t c, T& even, T& odd) const {
+    even = V::load(q[j][2 * c]);
+    odd = V::load(q[j][2 * c + 1]);
   }
-  __m256 scale(int64_t j, int64_t /*b*/) const { return scales[j]; }
-  __m256 min(int64_t j, int64_t /*b*/) const { return mins[j]; }
+  T scale(int64_t j, int64_t /*b*/) const { return scales[j]; }
+  T min(int64_t j, int64_t /*b*/) const { return mins[j]; }
 };
 
 struct Call {
@@ -195,113 +304,102 @@ struct Call {
 // Tokens [m0, m0 + MR) take block b into their sums: its 32 inputs into block sums, then
 // sum += d * block sum (+ m * the block's input sum). Both ways of walking the blocks run
 // exactly this, so an output's operations do not depend on the number of tokens.
-template <int64_t Type, int MR, class Weights>
+template <class V, int64_t Type, int MR, class Weights>
 inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
-                      __m256 (&sums)[MR][kGroups]) {
-  __m256 blk[MR][kGroups];
+                      typename V::T (&sums)[MR][V::kRegs]) {
+  typename V::T blk[MR][V::kRegs];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < V::kRegs; ++j) blk[i][j] = V::zero();
   const float* xr = p.x + m0 * p.k + b * 32;
   for (int64_t c = 0; c < 16; ++c) {
-    __m256 even[kGroups], odd[kGroups];
-    for (int j = 0; j < kGroups; ++j) w.pair(j, b, c, even[j], odd[j]);
+    typename V::T even[V::kRegs], odd[V::kRegs];
+    for (int j = 0; j < V::kRegs; ++j) w.pair(j, b, c, even[j], odd[j]);
     for (int i = 0; i < MR; ++i) {
-      const __m256 x0 = _mm256_broadcast_ss(xr + i * p.k + 2 * c);
-      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm256_fmadd_ps(x0, even[j], blk[i][j]);
-      const __m256 x1 = _mm256_broadcast_ss(xr + i * p.k + 2 * c + 1);
-      for (int j = 0; j < kGroups; ++j) blk[i][j] = _mm256_fmadd_ps(x1, odd[j], blk[i][j]);
+      const typename V::T x0 = V::bcast(xr + i * p.k + 2 * c);
+      for (int j = 0; j < V::kRegs; ++j) blk[i][j] = V::fma(x0, even[j], blk[i][j]);
+      const typename V::T x1 = V::bcast(xr + i * p.k + 2 * c + 1);
+      for (int j = 0; j < V::kRegs; ++j) blk[i][j] = V::fma(x1, odd[j], blk[i][j]);
     }
   }
-  for (int j = 0; j < kGroups; ++j) {
-    const __m256 d = w.scale(j, b);
-    for (int i = 0; i < MR; ++i) sums[i][j] = _mm256_fmadd_ps(blk[i][j], d, sums[i][j]);
+  for (int j = 0; j < V::kRegs; ++j) {
+    const typename V::T d = w.scale(j, b);
+    for (int i = 0; i < MR; ++i) sums[i][j] = V::fma(blk[i][j], d, sums[i][j]);
     if constexpr (Type == kQ4_1) {
-      const __m256 mv = w.min(j, b);
+      const typename V::T mv = w.min(j, b);
       for (int i = 0; i < MR; ++i)
-        sums[i][j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(p.sx[(m0 + i) * p.blocks + b]), sums[i][j]);
+        sums[i][j] = V::fma(mv, V::set1(p.sx[(m0 + i) * p.blocks + b]), sums[i][j]);
     }
   }
 }
 
 // Rows [m0, m1) (at most kInPlace), every block in turn, the sums in registers.
-template <int64_t Type, int MR>
-void block_tokens(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0, int64_t m0) {
-  __m256 sums[MR][kGroups];
+template <class V, int64_t Type, int MR>
+void block_tokens(const Call& p, const Records<V, Type>& r, int64_t here, int64_t n0, int64_t m0) {
+  typename V::T sums[MR][V::kRegs];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) sums[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < p.blocks; ++b) add_block<Type, MR>(p, r, b, m0, sums);
-  store_sums<MR>(sums, groups, p.bias, p.y, p.n, n0, m0);
+    for (int j = 0; j < V::kRegs; ++j) sums[i][j] = V::zero();
+  for (int64_t b = 0; b < p.blocks; ++b) add_block<V, Type, MR>(p, r, b, m0, sums);
+  store_sums<V, MR>(sums, here, p.bias, p.y, p.n, n0, m0);
 }
 
-// Tokens [m0, m0 + MR) (their sums at acc, [token][tile][8] floats) take block b.
-template <int64_t Type, int MR>
-void block_step(const Call& p, const BlockWeights& w, int64_t b, int64_t m0, float* acc) {
-  __m256 sums[MR][kGroups];
+// Tokens [m0, m0 + MR) (their sums at acc, [token][register][width] floats) take block b.
+template <class V, int64_t Type, int MR>
+void block_step(const Call& p, const BlockWeights<V>& w, int64_t b, int64_t m0, float* acc) {
+  constexpr int64_t width = BlockWeights<V>::kWidth;
+  typename V::T sums[MR][V::kRegs];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) sums[i][j] = _mm256_loadu_ps(acc + (i * kGroups + j) * kLanes);
-  add_block<Type, MR>(p, w, b, m0, sums);
+    for (int j = 0; j < V::kRegs; ++j) sums[i][j] = V::loadu(acc + (i * V::kRegs + j) * width);
+  add_block<V, Type, MR>(p, w, b, m0, sums);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kGroups; ++j) _mm256_storeu_ps(acc + (i * kGroups + j) * kLanes, sums[i][j]);
+    for (int j = 0; j < V::kRegs; ++j) V::storeu(acc + (i * V::kRegs + j) * width, sums[i][j]);
 }
 
 // Tokens [m0, m1) against a task's records, a block at a time: the block converted once into
 // L1, every token's sums kept in `acc` between blocks.
-template <int64_t Type>
-void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0, int64_t m0,
+template <class V, int64_t Type>
+void blocks_outer(const Call& p, const Records<V, Type>& r, int64_t here, int64_t n0, int64_t m0,
                   int64_t m1, std::vector<float>& acc) {
-  acc.assign(static_cast<size_t>((m1 - m0) * kGroups * kLanes), 0.f);
-  BlockWeights w;
+  constexpr int64_t width = BlockWeights<V>::kWidth;
+  acc.assign(static_cast<size_t>((m1 - m0) * V::kRegs * width), 0.f);
+  BlockWeights<V> w;
   for (int64_t b = 0; b < p.blocks; ++b) {
-    for (int64_t j = 0; j < kGroups; ++j) {
+    for (int64_t j = 0; j < V::kRegs; ++j) {
       for (int64_t c = 0; c < 16; ++c) {
-        __m256 even, odd;
+        typename V::T even, odd;
         r.pair(j, b, c, even, odd);
-        _mm256_store_ps(w.q[j][2 * c], even);
-        _mm256_store_ps(w.q[j][2 * c + 1], odd);
+        V::store(w.q[j][2 * c], even);
+        V::store(w.q[j][2 * c + 1], odd);
       }
       w.scales[j] = r.scale(j, b);
       if constexpr (Type == kQ4_1) w.mins[j] = r.min(j, b);
     }
-    for (int64_t m = m0; m < m1; m += kF32Tokens) {
-      float* a = acc.data() + (m - m0) * kGroups * kLanes;
-      switch (std::min<int64_t>(kF32Tokens, m1 - m)) {
-        case 1: block_step<Type, 1>(p, w, b, m, a); break;
-        case 2: block_step<Type, 2>(p, w, b, m, a); break;
-        default: block_step<Type, 3>(p, w, b, m, a); break;
-      }
+    for (int64_t m = m0; m < m1; m += V::kTokens) {
+      float* a = acc.data() + (m - m0) * V::kRegs * width;
+      with_rows<V::kTokens>(m1 - m, [&](auto rows) { block_step<V, Type, decltype(rows)::value>(p, w, b, m, a); });
     }
   }
   for (int64_t m = m0; m < m1; ++m) {
-    __m256 sums[1][kGroups];
-    for (int j = 0; j < kGroups; ++j)
-      sums[0][j] = _mm256_loadu_ps(acc.data() + ((m - m0) * kGroups + j) * kLanes);
-    store_sums<1>(sums, groups, p.bias, p.y, p.n, n0, m);
+    typename V::T sums[1][V::kRegs];
+    for (int j = 0; j < V::kRegs; ++j) sums[0][j] = V::loadu(acc.data() + ((m - m0) * V::kRegs + j) * width);
+    store_sums<V, 1>(sums, here, p.bias, p.y, p.n, n0, m);
   }
 }
 
-template <int64_t Type>
-void in_place(const Call& p, const Records<Type>& r, int64_t groups, int64_t n0, int64_t m0,
-              int64_t m1) {
-  switch (m1 - m0) {
-    case 1: block_tokens<Type, 1>(p, r, groups, n0, m0); break;
-    case 2: block_tokens<Type, 2>(p, r, groups, n0, m0); break;
-    default: block_tokens<Type, 3>(p, r, groups, n0, m0); break;
-  }
-}
-
-template <int64_t Type>
-void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
+template <class V, int64_t Type>
+void run(const Call& p, const uint8_t* w, int64_t tiles, int64_t m) {
   const int64_t record = record_format(Type).bytes;
   const std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
-  for_each_task(w, p.blocks * record, groups, m, zeros.data(),
-                [&](const uint8_t* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
-    Records<Type> r{{}, record};
-    std::copy(g, g + kGroups, r.first);
-    if (m1 - m0 <= kInPlace) {
-      in_place<Type>(p, r, here, first * kLanes, m0, m1);
+  for_each_task<V>(w, p.blocks * record, tiles, m, zeros.data(),
+                   [&](const uint8_t* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
+    Records<V, Type> r{{}, record};
+    std::copy(g, g + kTaskTiles<V>, r.first);
+    if (m1 - m0 <= V::kInPlace) {
+      with_rows<V::kInPlace>(m1 - m0, [&](auto rows) {
+        block_tokens<V, Type, decltype(rows)::value>(p, r, here, first * kLanes, m0);
+      });
     } else {
       std::vector<float> acc;
-      blocks_outer<Type>(p, r, here, first * kLanes, m0, m1, acc);
+      blocks_outer<V, Type>(p, r, here, first * kLanes, m0, m1, acc);
     }
   });
 }
@@ -318,9 +416,46 @@ std::vector<float> block_sums(const float* x, int64_t m, int64_t blocks) {
   return sx;
 }
 
+// The matmul on V's registers: lane tiles (float32 weights) or GGUF records.
+template <class V>
+void linear(const float* x, const at::Tensor& w, bool blocks, const float* bias, float* y,
+            int64_t m, int64_t n, int64_t k) {
+  if (!blocks) {
+    dense_linear<V>(x, w.data_ptr<float>(), bias, y, m, n, k);
+    return;
+  }
+  const int64_t type = type_of_f32_record(w.size(2)), nb = w.size(1), tiles = w.size(0);
+  const std::vector<float> sx = type == kQ4_1 ? block_sums(x, m, nb) : std::vector<float>();
+  const Call p{x, sx.data(), k, nb, n, bias, y};
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  switch (type) {
+    case kQ4_0: run<V, kQ4_0>(p, wd, tiles, m); break;
+    case kQ4_1: run<V, kQ4_1>(p, wd, tiles, m); break;
+    default: run<V, kQ8_0>(p, wd, tiles, m); break;
+  }
+}
+
 #endif  // CONVEYOR_AVX2
 
+#ifdef __AVX512F__
+constexpr int64_t kWidestLanes = 16;
+#else
+constexpr int64_t kWidestLanes = 8;
+#endif
+// Outputs per register the kernels use: the widest this build has (tests set 8 to compare).
+std::atomic<int64_t> vector_lanes{kWidestLanes};
+
 }  // namespace f32
+
+int64_t f32_vector_lanes(int64_t lanes) {
+  const int64_t before = f32::vector_lanes.load();
+  if (lanes > 0) {
+    TORCH_CHECK(lanes == 8 || lanes == f32::kWidestLanes, "f32_vector_lanes: 8 or ",
+                f32::kWidestLanes, " on this CPU, got ", lanes);
+    f32::vector_lanes.store(lanes);
+  }
+  return before;
+}
 
 bool f32_linear_available() {
 #ifdef CONVEYOR_AVX2
@@ -389,21 +524,13 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
   const float* bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_AVX2
-  const float* xd = xc.data_ptr<float>();
-  float* yd = y.data_ptr<float>();
-  if (!blocks) {
-    f32::dense_linear(xd, w.data_ptr<float>(), bias, yd, m, n, k);
+#ifdef __AVX512F__
+  if (f32::vector_lanes.load() == 16) {
+    f32::linear<f32::V16>(xc.data_ptr<float>(), w, blocks, bias, y.data_ptr<float>(), m, n, k);
     return y;
   }
-  const int64_t type = f32::type_of_f32_record(w.size(2)), nb = w.size(1);
-  const std::vector<float> sx = type == kQ4_1 ? f32::block_sums(xd, m, nb) : std::vector<float>();
-  const f32::Call p{xd, sx.data(), k, nb, n, bias, yd};
-  const uint8_t* wd = w.data_ptr<uint8_t>();
-  switch (type) {
-    case kQ4_0: f32::run<kQ4_0>(p, wd, groups, m); break;
-    case kQ4_1: f32::run<kQ4_1>(p, wd, groups, m); break;
-    default: f32::run<kQ8_0>(p, wd, groups, m); break;
-  }
+#endif
+  f32::linear<f32::V8>(xc.data_ptr<float>(), w, blocks, bias, y.data_ptr<float>(), m, n, k);
 #endif
   return y;
 }
