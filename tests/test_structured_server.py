@@ -106,7 +106,7 @@ def test_openai_parse_returns_the_object(server: ServerProcess, client: openai.O
 
 def test_schemas_validate_batched_with_free_requests(server: ServerProcess):
     """Greedy and sampled, all at once with a free request whose output stays what it is
-    alone."""
+    alone; the tokens the schemas forced came as drafts (/stats counts them)."""
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
                                 max_retries=0)
     free = {"model": server.model, "temperature": 0, "max_tokens": 24,
@@ -123,8 +123,11 @@ def test_schemas_validate_batched_with_free_requests(server: ServerProcess):
         *outs, batched = await asyncio.gather(*constrained, client.chat.completions.create(**free))
         return outs, alone, batched
 
+    before = httpx.get(server.base_url + "/stats").json()["grammar_forced_accepted_tokens"]
     outs, alone, batched = asyncio.run(run())
     assert batched.choices[0].message.content == alone.choices[0].message.content
+    forced = httpx.get(server.base_url + "/stats").json()["grammar_forced_accepted_tokens"]
+    assert forced - before > 0.2 * sum(o.usage.completion_tokens for o in outs)
     schemas = [schema for schema in SCHEMAS.values() for _ in (0, 1)]
     for out, schema in zip(outs, schemas, strict=True):
         assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
