@@ -123,13 +123,13 @@ def test_max_tokens_mid_structure_is_length(llm) -> None:
 
 def test_forced_drafts_change_no_output(tiny_llama_dir, kv_free) -> None:
     """The tokens a grammar forces are verified as drafts (grammar_forced_drafts, on by
-    default): the same tokens as without, greedy, seeded-sampled and n > 1, next to a free
-    request, under recompute preemption (12 blocks of 16 tokens), in fewer steps."""
+    default): the same tokens and logprobs as without, greedy, seeded-sampled and n > 1,
+    next to a free request, under recompute preemption (12 blocks of 16 tokens)."""
     kinds = [StructuredOutputsParams(json=s) for s in SCHEMAS] + [
         StructuredOutputsParams(grammar='root ::= "x" ("abc" | "cd"){10,20} "!"'),
         StructuredOutputsParams(choice=["apple", "banana split"])]
     params = [SamplingParams(temperature=t, seed=i, n=2 if t else 1, max_tokens=60,
-                             structured_outputs=k)
+                             logprobs=2 if t else None, structured_outputs=k)
               for i, k in enumerate(kinds) for t in (0.0, 1.0)]
     params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(len(params))]
@@ -137,7 +137,8 @@ def test_forced_drafts_change_no_output(tiny_llama_dir, kv_free) -> None:
     for forced in (False, True):
         llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 16 * 1024,
                   max_model_len=1024, grammar_forced_drafts=forced)
-        runs[forced] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        runs[forced] = [[(c.token_ids, c.logprobs) for c in o.outputs]
+                        for o in llm.generate(prompts, params)]
         stats = llm.stats()
         assert stats.num_preemptions > 0
         kv_free(llm)
