@@ -45,6 +45,7 @@ def _simulate_and_serve(model: str, tmp_path: Path,
     path = tmp_path / "profile.json"
     profile.save(path)
 
+    capsys.readouterr()  # drop what an earlier attempt printed: only the simulation's JSON
     assert main(["simulate", "--cost-model", "measured", "--profile", str(path),
                  "--model", model, "--kv-cache-memory", KV, "--max-model-len", "512",
                  *WORKLOAD, "--ignore-eos", "--json"]) == 0
