@@ -375,12 +375,15 @@ void blocks_outer(const Call& p, const Records<V, Type>& r, int64_t here, int64_
     }
     for (int64_t m = m0; m < m1; m += V::kTokens) {
       float* a = acc.data() + (m - m0) * V::kRegs * width;
-      with_rows<V::kTokens>(m1 - m, [&](auto rows) { block_step<V, Type, decltype(rows)::value>(p, w, b, m, a); });
+      with_rows<V::kTokens>(m1 - m, [&](auto rows) {
+        block_step<V, Type, decltype(rows)::value>(p, w, b, m, a);
+      });
     }
   }
   for (int64_t m = m0; m < m1; ++m) {
     typename V::T sums[1][V::kRegs];
-    for (int j = 0; j < V::kRegs; ++j) sums[0][j] = V::loadu(acc.data() + ((m - m0) * V::kRegs + j) * width);
+    for (int j = 0; j < V::kRegs; ++j)
+      sums[0][j] = V::loadu(acc.data() + ((m - m0) * V::kRegs + j) * width);
     store_sums<V, 1>(sums, here, p.bias, p.y, p.n, n0, m);
   }
 }
