@@ -152,12 +152,14 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         request = sched.requests[item.request_id]
         assert request.status == RequestStatus.RUNNING
         assert item.num_new_tokens >= 1
-        assert item.num_computed_tokens == request.num_computed_tokens
+        # (schedule() counted this step's tokens in flight, and its sample a placeholder)
+        assert item.num_computed_tokens == request.num_scheduled_tokens - item.num_new_tokens
         end = item.num_computed_tokens + item.num_new_tokens
         num_drafts = item.num_spec_tokens
         assert len(item.spec_token_ids) in (0, num_drafts)
-        assert end - num_drafts <= request.num_tokens
-        assert item.samples == (end - num_drafts == request.num_tokens)
+        num_tokens = request.num_tokens + request.num_output_placeholders - item.samples
+        assert end - num_drafts <= num_tokens
+        assert item.samples == (end - num_drafts == num_tokens)
         assert not num_drafts or item.num_new_tokens == num_drafts + 1, "drafts on a chunk"
         assert len(item.block_ids) * block_size >= end
         assert item.block_ids == sched.kv_cache.block_tables[item.request_id]
@@ -178,11 +180,15 @@ def assert_no_leak(sched: Scheduler) -> None:
 
 @dataclass
 class Harness:
-    """A scheduler over a KV manager, driven step by step through a FakeRunner."""
+    """A scheduler over a KV manager, driven step by step through a FakeRunner.
+
+    With ``async_scheduling`` it drives them as the engine's pipeline does: a step is
+    scheduled and run before the results of the one before it are taken (``update``)."""
 
     sched: Scheduler
     runner: FakeRunner
     outputs: list[SchedulerOutput] = field(default_factory=list)
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -195,11 +201,22 @@ class Harness:
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         check_step(self.sched, out)
-        runner_out = self.runner.execute(out)
-        self.sched.update(out, runner_out)
+        runner_out = self.runner.execute(out)  # the runner works on this step ...
+        if self.sched.config.async_scheduling:  # ... while the last one's results are taken
+            previous, self.in_flight = self.in_flight, (out, runner_out)
+            if previous is not None:
+                self.sched.update(*previous)
+        else:
+            self.sched.update(out, runner_out)
         self.sched.check_integrity()
         self.outputs.append(out)
         return out
+
+    def drain(self) -> None:
+        """Take the results of the step in flight, if any (async scheduling)."""
+        if self.in_flight is not None:
+            self.sched.update(*self.in_flight)
+            self.in_flight = None
 
     def run(self, max_steps: int = 2000) -> int:
         """Step until no request is alive; returns the number of steps; checks for leaks."""
@@ -208,6 +225,7 @@ class Harness:
             self.step()
             steps += 1
             assert steps <= max_steps, "the scheduler made no progress"
+        self.drain()
         assert_no_leak(self.sched)
         return steps
 

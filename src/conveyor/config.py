@@ -223,6 +223,10 @@ class SchedulerConfig:
     priority_aging_steps: int = setting(
         64, "priority policy: a waiting request gains one priority level per this many steps")
     tenant_weights: str = setting("", "fair policy: 'alice=2,bob=1' (others weigh 1)")
+    async_scheduling: bool = setting(
+        False, "schedule step N+1 while step N runs (its forward pass in a worker thread): "
+               "hides the host's per-step work behind a GPU's; a stop found late costs a "
+               "wasted token; no drafts then (speculative_config, grammar-forced drafts)")
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
@@ -438,7 +442,13 @@ class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, Parallel
     def __post_init__(self) -> None:
         for section in ENGINE_SECTIONS:
             section.__post_init__(self)  # type: ignore[attr-defined]
-        SpeculativeConfig.parse(self.speculative_config)  # validates
+        if SpeculativeConfig.parse(self.speculative_config) is not None:  # validates
+            _require(not self.async_scheduling, "async_scheduling",
+                     "off with speculative_config (drafts need the tokens before them)",
+                     self.async_scheduling)
+        if self.async_scheduling:
+            _require(self.tensor_parallel_size == 1, "tensor_parallel_size",
+                     "1 with async_scheduling", self.tensor_parallel_size)
 
     def parallel_config(self) -> ParallelConfig:
         return self.section(ParallelConfig)

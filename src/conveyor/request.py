@@ -49,6 +49,12 @@ class Request:
 
     ``all_token_ids`` = prompt + generated. A request needs ``num_tokens -
     num_computed_tokens`` more tokens computed; when that reaches 0 after a step it samples.
+
+    With async scheduling the next step is scheduled while the last one runs: its tokens
+    are then ``num_inflight_tokens`` (their K/V being written, counted in
+    ``num_computed_tokens`` once the step's results are in) and the token it samples is a
+    placeholder (``num_output_placeholders``) until then. Both are 0 between the steps of a
+    synchronous engine.
     """
 
     request_id: str
@@ -61,7 +67,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V steps that finished have written
+    num_inflight_tokens: int = 0  # scheduled in steps whose results are not in yet
+    num_output_placeholders: int = 0  # tokens those steps sample, ids unknown yet
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     output_len_at_preemption: int = -1  # outputs at the last preemption (-1: never)
@@ -84,8 +92,15 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed: where the next step's tokens start."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens the next step may compute (a placeholder's too: its id reaches the runner
+        before that step runs)."""
+        return self.num_tokens + self.num_output_placeholders - self.num_scheduled_tokens
 
     @property
     def max_tokens(self) -> int:

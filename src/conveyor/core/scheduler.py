@@ -13,6 +13,14 @@ A structured-output request whose grammar forces its next tokens (the runner rep
 ``ModelRunnerOutput.forced_token_ids``: a JSON object's next key, say) verifies those as its
 drafts, with or without speculative decoding: its mask allows only them, so they are
 accepted and the output is the same, in fewer steps.
+
+With ``async_scheduling`` the engine schedules step N+1 before step N's results are in (the
+runner works on N meanwhile): a request N samples for continues in N+1 from a placeholder
+(``Request.num_output_placeholders``), whose id the runner has by the time N+1 runs. Its
+``update`` then comes after the next ``schedule``: a request may have been preempted, or a
+new one admitted under a finished one's id, in between. A placeholder that turns out to
+follow a stop costs one wasted token; one that reaches ``max_tokens`` is not scheduled on.
+Drafts need the tokens before them, so an async scheduler verifies none.
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ class Scheduler:
         # request id -> the tokens its grammar forces after its last token (runner-reported)
         self._forced: dict[str, list[int]] = {}
         self._forced_verifies: set[str] = set()  # this step's verifies of forced tokens
+        # step id -> its requests, until its results are in (``update``): the ids may
+        # belong to other requests by then
+        self._in_flight: dict[int, dict[str, Request]] = {}
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, request: Request) -> None:
@@ -140,13 +151,15 @@ class Scheduler:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
         self._forced_verifies = set()
-        if (self.spec is not None or self._forced) and not step.preempted:
+        if (self.spec is not None or self._forced) and not step.preempted \
+                and not self.config.async_scheduling:
             self._schedule_drafts(step)
         if not step.preempted:
             self._schedule_waiting(step)
         self._step_id += 1
         self.stats.num_steps += 1
         self._record_peak(step)
+        self._start_step(step)
         finished, self._finished_ids = self._finished_ids, set()
         output = SchedulerOutput(step_id=self._step_id, new_requests=step.new_requests,
                                scheduled=list(step.scheduled.values()),
@@ -156,12 +169,27 @@ class Scheduler:
         self._step_started = time.perf_counter()
         return output
 
+    def _start_step(self, step: _StepBuilder) -> None:
+        """The step's tokens are in flight until ``update`` takes its results."""
+        requests = {}
+        for item in step.scheduled.values():
+            request = self.requests[item.request_id]
+            request.num_inflight_tokens += item.num_new_tokens
+            request.num_output_placeholders += item.samples
+            requests[item.request_id] = request
+        self._in_flight[self._step_id] = requests
+
     def _schedule_running(self, step: _StepBuilder) -> None:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or step.budget == 0:
                 continue  # preempted earlier in this loop, or the budget is spent
+            if request.num_output_placeholders and request.num_output_tokens \
+                    + request.num_output_placeholders >= request.max_tokens:
+                continue  # the step in flight samples its last token
             num_new = min(request.num_uncomputed_tokens, step.budget)
-            while (table := self.kv_cache.allocate_slots(request, num_new)) is None:
+            # (a step in flight has its tokens' slots already; they count again here)
+            while (table := self.kv_cache.allocate_slots(
+                    request, request.num_inflight_tokens + num_new)) is None:
                 victim = self.policy.pick_victim(self.running, request)
                 self._preempt(victim or request, step)
                 if victim is None:
@@ -175,7 +203,7 @@ class Scheduler:
         without free blocks for it, the request decodes plainly."""
         decodes = [r for r in self.running if (item := step.scheduled.get(r.request_id))
                    and item.num_new_tokens == 1 and item.samples
-                   and r.num_computed_tokens >= r.num_prompt_tokens]
+                   and r.num_scheduled_tokens >= r.num_prompt_tokens]
         if self.spec is not None:
             scheduled = self.config.max_num_batched_tokens - step.budget
             self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
@@ -191,7 +219,8 @@ class Scheduler:
                 num, drafts = self.spec.propose(request, limit)
             else:
                 continue
-            if num and (table := self.kv_cache.allocate_slots(request, 1 + num)) is not None:
+            if num and (table := self.kv_cache.allocate_slots(
+                    request, request.num_inflight_tokens + 1 + num)) is not None:
                 step.add_drafts(request, num, drafts, table)
                 if forced:
                     self._forced_verifies.add(request.request_id)
@@ -216,10 +245,13 @@ class Scheduler:
         their slots until the batch's longest one ends."""
         if self.config.scheduling == "continuous":
             return True
-        return all(r.num_output_tokens == 0 for r in self.running)
+        return all(r.num_output_tokens + r.num_output_placeholders == 0 for r in self.running)
 
     def _admit(self, request: Request, step: _StepBuilder) -> bool:
         """Place the first tokens of a waiting request; False (no change) if they don't fit."""
+        # (never before the results of a step it was preempted from: that step's update
+        # comes before the next schedule, and a request preempted in a step waits it out)
+        assert not request.num_output_placeholders, f"{request.request_id} resumed too early"
         if request.swapped_out:
             return self._admit_swapped(request, step)
         computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
@@ -284,10 +316,12 @@ class Scheduler:
         else:
             self.kv_cache.free(request)
             self.stats.num_preempted_tokens += request.num_computed_tokens
-            request.num_computed_tokens = 0
+            request.num_computed_tokens = request.num_inflight_tokens = 0
         self.stats.num_preemptions += 1
         request.num_preemptions += 1
-        request.output_len_at_preemption = request.num_output_tokens
+        # (with the token a step in flight samples for it: that one is not progress)
+        request.output_len_at_preemption = request.num_output_tokens \
+            + request.num_output_placeholders
         request.status = RequestStatus.PREEMPTED
         self.policy.requeue(request)
         step.preempted.add(request.request_id)
@@ -298,7 +332,7 @@ class Scheduler:
             return
         kv = self.kv_cache
         used = sum(len(kv.block_tables.get(r.request_id, ())) for r in self.running)
-        tokens = sum(r.num_computed_tokens for r in self.running) + \
+        tokens = sum(r.num_scheduled_tokens for r in self.running) + \
             sum(s.num_new_tokens for s in step.scheduled.values())
         self.stats.peak_running = len(self.running)
         self.stats.peak_kv_utilization = tokens / max(used * kv.block_size, 1)
@@ -318,9 +352,9 @@ class Scheduler:
         updated = []
         now = time.time()
         for item in scheduler_output.scheduled:
-            request = self.requests.get(item.request_id)
+            request = self.live_request(scheduler_output, item.request_id)
             if request is None:
-                continue  # aborted while the step ran
+                continue  # ended (aborted, stopped) after it was scheduled
             tokens = runner_output.sampled_token_ids[item.request_id] if item.samples else []
             self._advance(request, item, tokens)
             if tokens:
@@ -330,7 +364,18 @@ class Scheduler:
                     request.times.first_token = now
                 request.times.last_token = now
                 updated.append(request)
+        self._in_flight.pop(scheduler_output.step_id, None)
         return updated
+
+    def live_request(self, scheduler_output: SchedulerOutput, request_id: str
+                     ) -> Request | None:
+        """The request the step ran under this id, if it has not ended since."""
+        request = self._in_flight.get(scheduler_output.step_id, {}).get(request_id)
+        return None if request is None or request.status.finished else request
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's forward pass raised: it has no results (its requests are ended)."""
+        self._in_flight.pop(scheduler_output.step_id, None)
 
     def _set_forced(self, request: Request, forced: list[int] | None) -> None:
         if forced and request.request_id in self.requests:
@@ -344,14 +389,20 @@ class Scheduler:
         num_drafts = item.num_spec_tokens
         assert len(tokens) <= num_drafts + 1, f"{item.request_id}: more tokens than drafts + 1"
         num_accepted = max(len(tokens) - 1, 0)
-        request.num_computed_tokens += item.num_new_tokens - num_drafts + num_accepted
+        request.num_output_placeholders -= item.samples
+        # Preempted by a later step's schedule (async): with recompute its K/V is gone
+        kv_kept = request.status == RequestStatus.RUNNING or request.swapped_out
+        if kv_kept:
+            request.num_inflight_tokens -= item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - num_drafts + num_accepted
         status = None
         for token in tokens:
             request.append_output_token(token)
             if (status := request.check_stop()) is not None:
                 break  # the tokens after a stop are dropped
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-        self.kv_cache.cache_computed_blocks(request)  # verified tokens only
+        if kv_kept:
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_computed_blocks(request)  # verified tokens only
         if request.request_id in self._forced_verifies:
             self.stats.num_forced_draft_tokens += num_drafts
             self.stats.num_forced_accepted_tokens += num_accepted
@@ -397,10 +448,11 @@ class _StepBuilder:
     def add(self, request: Request, num_new: int, block_table: list[int]) -> None:
         self.budget -= num_new
         self.policy.on_scheduled(request, num_new)
-        samples = request.num_computed_tokens + num_new == request.num_tokens
+        start = request.num_scheduled_tokens
+        samples = start + num_new == request.num_tokens + request.num_output_placeholders
         self.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id, num_new_tokens=num_new,
-            num_computed_tokens=request.num_computed_tokens, block_ids=list(block_table),
+            num_computed_tokens=start, block_ids=list(block_table),
             samples=samples)
 
     def add_drafts(self, request: Request, num: int, drafts: list[int],
