@@ -10,6 +10,12 @@ returned last step) and its sampling state (a seeded request's generator). It dr
 when the request is in ``finished_request_ids``; a preempted request keeps its sampling state
 (its generator continues where it stopped) and gets its tokens again, all of them, in
 ``new_requests`` when it resumes.
+
+With async scheduling the scheduler hands over step N+1 before it has seen step N's results:
+the runner runs the steps in order, so a decode's input is still the token the runner
+sampled last, which the scheduler does not know yet. A request may then run in a step after
+the scheduler ended it (a stop it found in the step before: the runner's token is dropped)
+and reach the runner in ``finished_request_ids`` a step later than it ended.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The step loop: schedule, run, update, detokenize, stop checks.
 
-``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
-(the server) drive it. Bad input raises ``ValueError`` from ``add_request`` and never reaches
+``LLMEngine`` is driven from one thread: ``LLM`` (offline) and ``AsyncEngine`` (the server)
+call ``step()``. Its forward passes run in that thread too, or with ``async_scheduling`` in a
+worker thread one step ahead (``engine/pipeline.py``). Bad input raises ``ValueError`` from ``add_request`` and never reaches
 the scheduler, so one bad request cannot disturb the others; a forward pass that raises
 ends only the requests it ran (finish_reason "error").
 """
@@ -20,6 +21,7 @@ from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import BlockMap, KVCacheManager
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
+from conveyor.engine.pipeline import StepPipeline, Submitted
 from conveyor.engine.sequence import RequestGroup, Sequence
 from conveyor.engine.stats import (
     FINISH_REASONS,
@@ -99,6 +101,11 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.executor: TensorParallelExecutor | None = None
         self.runner = self._build_runner(checkpoint, draft)
+        # (the runner's execute looked up per step: profilers and tests wrap it)
+        runner = self.runner
+        self.pipeline = StepPipeline(lambda out: runner.execute(out), sched.async_scheduling)
+        if sched.async_scheduling:
+            weakref.finalize(self, self.pipeline.shutdown)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -115,6 +122,9 @@ class LLMEngine:
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
         logger.info(self.capacity_summary())
+        if sched.async_scheduling and self.device.type == "cpu":
+            logger.info("async_scheduling on a CPU hides little: the forward pass uses every "
+                        "core already, and the host's work shares them (docs/benchmarks.md)")
 
     def _build_runner(self, checkpoint: Checkpoint, draft: CausalLM | None
                       ) -> ModelRunner | TensorParallelExecutor:
@@ -164,7 +174,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also at exit: they are
-        daemon processes)."""
+        daemon processes), and the async scheduling's worker thread."""
+        self.pipeline.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -304,7 +315,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); their blocks free at once."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        return self._end_requests(ids, RequestStatus.FINISHED_ABORTED)
+        outputs = self._end_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._drain_if_idle()
+        return outputs
 
     def _end_requests(self, request_ids: Iterable[str],
                       status: RequestStatus) -> list[RequestOutput]:
@@ -328,35 +341,52 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the outputs of requests that got new tokens."""
-        start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        """Run one forward pass; return the outputs of requests that got new tokens (with
+        async scheduling: of the step before, while this one runs)."""
+        self.pipeline.submit(self.scheduler.schedule(), time.perf_counter())
+        if not self.pipeline.ready:
+            return []  # async: the first step runs while the next one is scheduled
+        outputs = self._take(self.pipeline.take())
+        return outputs + self._drain_if_idle()
+
+    def _drain_if_idle(self) -> list[RequestOutput]:
+        """With no request left, take the step still in flight (async scheduling): nothing
+        runs in the background of an idle engine."""
+        outputs = []
+        while self.pipeline and not self.groups:
+            outputs += self._take(self.pipeline.take())
+        return outputs
+
+    def _take(self, step: Submitted) -> list[RequestOutput]:
+        """A step's results: update the scheduler, detokenize, stop-check, trace."""
+        scheduler_output = step.out
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = step.result.result()
         except TensorParallelError:
             raise  # a rank is gone: no later step can run
         except Exception as error:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0
-        failed = self._fail_sequences(runner_output.errors)
+        failed = self._fail_sequences(scheduler_output, runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None or self.trace_listener is not None:
-            trace = self._trace_step(scheduler_output, updated, start)
+            trace = self._trace_step(scheduler_output, updated, step.start)
             if self.step_trace is not None:
                 self.step_trace.append(trace)
             if self.trace_listener is not None:
                 self.trace_listener(trace)
         return self._emit(updated, runner_output, failed)
 
-    def _fail_sequences(self, errors: dict[str, str]) -> list[RequestGroup]:
+    def _fail_sequences(self, out: SchedulerOutput, errors: dict[str, str]
+                        ) -> list[RequestGroup]:
         """End the sequences the runner cannot go on with (their grammar failed) with
         finish_reason "error" and its reason, before the step's tokens are taken (theirs
         is dropped); the other samples of their request go on. Their groups."""
         groups = []
         for request_id, why in errors.items():
             entry = self._sequences.get(request_id)
-            if entry is None:
-                continue
+            if entry is None or self.scheduler.live_request(out, request_id) is None:
+                continue  # ended since the step was scheduled (async scheduling)
             group, seq = entry
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
             logger.warning("request %s ends with finish_reason 'error': %s",
@@ -398,10 +428,14 @@ class LLMEngine:
 
         The scheduler's state is sound (``update`` did not run, so no block of this step
         was published to the prefix cache); the runner drops the failed requests' state at
-        the next step. Raises after MAX_CONSECUTIVE_STEP_FAILURES failures in a row.
+        the next step (with async scheduling, the step after it was scheduled before the
+        failure was known: the pipeline drops them from it). Raises after
+        MAX_CONSECUTIVE_STEP_FAILURES failures in a row.
         """
         self.num_consecutive_step_failures += 1
-        failed = {s.request_id for s in out.scheduled}
+        failed = {s.request_id for s in out.scheduled
+                  if self.scheduler.live_request(out, s.request_id) is not None}
+        self.scheduler.step_failed(out)
         if out.swap_out:  # the copy of the preempted requests' KV to host may not have run
             failed |= out.preempted_request_ids
         groups = {self._sequences[i][0].request_id for i in failed if i in self._sequences}

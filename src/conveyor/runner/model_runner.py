@@ -253,7 +253,9 @@ class ModelRunner:
             if matcher.is_error():  # its mask failed (out of fuel): the engine ends it
                 why = matcher.get_error().split("\n", 1)[0]  # then a dump of its state
                 result.errors[s.request_id] = f"structured output failed: {why}"
-            else:  # (EOS after the grammar's end leaves the matcher "stopped in consume")
+            elif not matcher.is_stopped():  # (ended: its mask allowed EOS alone, and a
+                # token consumed past the end would fail it: a step past EOS, which async
+                # scheduling runs, must not)
                 matcher.consume_tokens(tokens)
                 if self.forced_drafts and (forced := matcher.compute_ff_tokens()):
                     result.forced_token_ids[s.request_id] = forced

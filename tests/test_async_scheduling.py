@@ -1,0 +1,196 @@
+"""Async scheduling: step N+1 is scheduled, and its forward pass started, before step N's
+results are taken (``async_scheduling=True``, vLLM's name).
+
+The scheduler, driven through the fake runner as the engine's pipeline drives it: the next
+step decodes a placeholder, a request whose step in flight samples its last token is not
+scheduled on, a stop found late costs one wasted step, and an id reused after an abort does
+not receive the aborted request's token (the randomized stress tests of test_scheduler.py
+and test_policies.py run with async scheduling too, preemption included). The engine on the
+default model: the same outputs as synchronous scheduling for every sampling parameter, with
+preemption, aborts in flight and a failing step, every KV block free afterwards; and a real
+`conveyor serve --async-scheduling` behind the official client.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.request import RequestStatus
+from core_helpers import OUTPUT_TOKEN_BASE, assert_no_leak, make_harness, make_request, scripted
+from server_fixtures import metric_value, openai_client, start_server, wait_idle
+
+EOS = 2
+
+
+# ---------------------------------------------------------------- the scheduler
+def _shape(out) -> list[tuple[int, int, bool]]:
+    return [(s.num_computed_tokens, s.num_new_tokens, s.samples) for s in out.scheduled]
+
+
+def test_the_next_step_decodes_a_placeholder_before_the_results_are_in() -> None:
+    h = make_harness(async_scheduling=True)
+    request = make_request("a", range(1, 6), max_tokens=3)
+    h.add(request)
+    assert _shape(h.step()) == [(0, 5, True)]  # the prompt; its token is in flight
+    assert (request.num_output_tokens, request.num_output_placeholders) == (0, 1)
+    # scheduled before the prompt step's results: it decodes their token, unknown yet
+    assert _shape(h.step()) == [(5, 1, True)]
+    assert request.output_token_ids == [OUTPUT_TOKEN_BASE]  # taken after that schedule
+    assert _shape(h.step()) == [(6, 1, True)]
+    # the step in flight samples the third and last token: nothing more is scheduled
+    assert h.step().is_empty
+    assert request.output_token_ids == [OUTPUT_TOKEN_BASE + i for i in range(3)]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+    h.drain()
+    assert_no_leak(h.sched)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stop_found_late_costs_one_wasted_step(async_scheduling: bool) -> None:
+    h = make_harness(async_scheduling=async_scheduling,
+                     token_fn=scripted({"a": [OUTPUT_TOKEN_BASE, EOS]}))
+    request = make_request("a", [1, 2, 3], max_tokens=10, eos=(EOS,))
+    h.add(request)
+    h.run()
+    assert request.output_token_ids == [OUTPUT_TOKEN_BASE, EOS]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    # prompt, the decode that samples EOS, and (async) one decode scheduled past it
+    assert sum(not o.is_empty for o in h.outputs) == (3 if async_scheduling else 2)
+
+
+def test_an_id_reused_after_an_abort_does_not_take_the_old_requests_token() -> None:
+    h = make_harness(async_scheduling=True)
+    old = make_request("a", [1, 2, 3], max_tokens=10)
+    h.add(old)
+    h.step()
+    h.step()  # old's first decode is in flight
+    h.sched.abort_requests(["a"])
+    new = make_request("a", [7, 8, 9, 10], max_tokens=4)
+    h.add(new)
+    h.run()  # the shadow KV checks every position the new request attends to
+    assert old.status == RequestStatus.FINISHED_ABORTED
+    assert new.output_token_ids == [OUTPUT_TOKEN_BASE + i for i in range(4)]
+
+
+# ---------------------------------------------------------------- the engine
+# Every sampling parameter whose state lives in the runner between steps (penalties and
+# min_tokens see the tokens so far, a seeded request its generator, a grammar its matcher),
+# stop strings and n > 1 (the engine's), logprobs.
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=40),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40),
+    SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=40),
+    SamplingParams(temperature=0, logprobs=2, max_tokens=24),
+    SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=30),
+    SamplingParams(temperature=0, stop=["."], max_tokens=60),
+    SamplingParams(temperature=0, min_tokens=12, max_tokens=16),
+    SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]})),
+]
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:",
+           "List three colors:", "Once upon a time, a robot",
+           "Explain what a cache is.", "1, 2, 3, 4,", "Say hello in French:",
+           "Describe a person as JSON:"]
+
+
+def _generate(llm: LLM) -> list[tuple]:
+    outputs = llm.generate(PROMPTS, PARAMS)
+    return [(c.token_ids, c.text, c.finish_reason,
+             [{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in c.logprobs or []])
+            for o in outputs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, LLM]:
+    """The default model, float32, synchronous and async, with room for few sequences."""
+    from conftest_models import default_gguf
+
+    default_gguf()
+    args = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=6)
+    return {"sync": LLM(**args), "async": LLM(**args, async_scheduling=True)}
+
+
+def test_async_scheduling_gives_the_synchronous_outputs(engines, kv_free) -> None:
+    expected = _generate(engines["sync"])
+    assert _generate(engines["async"]) == expected
+    for llm in engines.values():
+        kv_free(llm)
+    # the small cache preempted running requests (their tokens in flight, with async)
+    assert engines["async"].stats().num_preemptions > 0
+
+
+def test_an_abort_with_a_step_in_flight_leaks_nothing(engines, kv_free) -> None:
+    engine = engines["async"].engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(prompt, params, request_id=f"abort-{i}")
+    finished = {}
+    for step in range(200):
+        if step == 5:  # abort-1's next step is running: its token comes after the abort
+            assert engine.abort_request("abort-1")[0].outputs[0].finish_reason == "abort"
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(finished) == ["abort-0", "abort-2", "abort-3"]
+    assert all(len(o.outputs[0].token_ids) == 30 for o in finished.values())
+    kv_free(engines["async"])
+
+
+def test_a_failing_step_ends_its_requests_and_the_next_step_runs_the_others(
+        engines, kv_free, monkeypatch) -> None:
+    llm = engines["async"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 3 * i, 8, 90 + i]} for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    step, calls = llm.engine.runner.model.step, iter(range(1, 1000))
+
+    def failing(*args, **kwargs):  # the third step raises: the six first requests decode
+        if next(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner.model, "step", failing)
+    outputs = llm.generate(prompts, params)
+    reasons = [o.outputs[0].finish_reason for o in outputs]
+    assert reasons == ["error"] * 6 + ["length"] * 2
+    assert [o.outputs[0].token_ids for o in outputs[6:]] == expected[6:]
+    kv_free(llm)
+
+
+def test_async_scheduling_is_refused_with_drafts_and_tensor_parallelism() -> None:
+    from conveyor.config import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling must be off with speculative"):
+        EngineArgs(async_scheduling=True, speculative_config=spec)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 with async"):
+        EngineArgs(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_the_server_serves_with_async_scheduling(engines) -> None:
+    """`conveyor serve --async-scheduling`: streamed and whole completions give the text the
+    synchronous engine gives, and the server ends idle with its KV cache empty."""
+    server = start_server("--async-scheduling", "--dtype", "float32", "--max-model-len", "256",
+                          "--kv-cache-memory", "16MiB")
+    try:
+        client = openai_client(server)
+        params = SamplingParams(temperature=0, max_tokens=24)
+        expected = [o.outputs[0].text for o in engines["sync"].generate(PROMPTS[:2], params)]
+        for prompt, text in zip(PROMPTS[:2], expected, strict=True):
+            stream = client.completions.create(model=server.model, prompt=prompt,
+                                               max_tokens=24, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in stream) == text
+        whole = client.completions.create(model=server.model, prompt=PROMPTS[0],
+                                          max_tokens=24, temperature=0)
+        assert whole.choices[0].text == expected[0]
+        metrics = wait_idle(server)
+        assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
+        assert metric_value(metrics, "conveyor:num_requests_running") == 0
+    finally:
+        assert server.stop() == 0, server.log_tail()
+        server.remove_log()
