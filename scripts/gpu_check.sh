@@ -7,6 +7,7 @@
 #   pytest.log                     tests marked gpu (tests/test_gpu.py, tests/test_cuda_graphs.py)
 #   offline-smollm2.json           reference workload, SmolLM2-135M shape, bf16, graphs vs
 #                                  enforce_eager (--against); roofline at batch 1, 16, 64
+#   offline-smollm2-async.json     the same with async_scheduling against without it
 #   offline-qwen3-nano-vllm.json   nano-vllm's 256 requests (100-1024 in and out), Qwen3-0.6B
 #   offline-llama3-8b.json         Llama-3-8B shape: decode step at batch 256 and one stream
 #   hf-peer.json                   transformers generate on the same shapes and workloads
@@ -74,6 +75,11 @@ sed -n '/=== tests (limit/,/=== tests: rc=/p' "$LOG" >>"$OUT/pytest.log"
 step smollm2 120 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory "$KV_SMALL" "${REQS[@]}" \
     --roofline-batches "${ROOF_SMALL[@]}" --against enforce_eager=true \
     --result-file "$OUT/offline-smollm2.json"
+
+# Async scheduling (step N+1 scheduled while step N runs) against the synchronous engine.
+step smollm2-async 90 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory "$KV_SMALL" "${REQS[@]}" \
+    --roofline-batches "${ROOF_SMALL[0]}" --async-scheduling --against async_scheduling=false \
+    --result-file "$OUT/offline-smollm2-async.json"
 
 # nano-vllm's benchmark on the Qwen3-0.6B shape: all 256 requests fit at once.
 step qwen3-nano-vllm 150 "${BENCH[@]}" --model "$QWEN" "${NANO[@]}" \
