@@ -9,6 +9,7 @@ ends only the requests it ran (finish_reason "error").
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -101,9 +102,8 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.executor: TensorParallelExecutor | None = None
         self.runner = self._build_runner(checkpoint, draft)
-        # (the runner's execute looked up per step: profilers and tests wrap it)
-        runner = self.runner
-        self.pipeline = StepPipeline(lambda out: runner.execute(out), sched.async_scheduling)
+        self.pipeline = StepPipeline(functools.partial(_execute, weakref.ref(self)),
+                                     sched.async_scheduling)
         if sched.async_scheduling:
             weakref.finalize(self, self.pipeline.shutdown)
         self.groups: dict[str, RequestGroup] = {}
@@ -508,6 +508,15 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """KV invariants (with no request alive, every block is free)."""
         self.scheduler.check_integrity()
+
+
+def _execute(engine: weakref.ref[LLMEngine], out: SchedulerOutput) -> ModelRunnerOutput:
+    """The engine's runner runs a step: looked up per step, since profilers and tests replace
+    the runner or its ``execute``; through a weak reference, so that the pipeline's finalizer
+    does not keep the engine alive."""
+    live = engine()
+    assert live is not None, "the engine is gone"
+    return live.runner.execute(out)
 
 
 def _step_kind(s: ScheduledRequest) -> str:
