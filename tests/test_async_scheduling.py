@@ -8,10 +8,14 @@ not receive the aborted request's token (the randomized stress tests of test_sch
 and test_policies.py run with async scheduling too, preemption included). The engine on the
 default model: the same outputs as synchronous scheduling for every sampling parameter, with
 preemption, aborts in flight and a failing step, every KV block free afterwards; and a real
-`conveyor serve --async-scheduling` behind the official client.
+`conveyor serve --async-scheduling` behind the official client. And the OpenMP remedy the
+pipeline relies on (``ops/openmp.py``).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -160,6 +164,34 @@ def test_a_failing_step_ends_its_requests_and_the_next_step_runs_the_others(
     assert reasons == ["error"] * 6 + ["length"] * 2
     assert [o.outputs[0].token_ids for o in outputs[6:]] == expected[6:]
     kv_free(llm)
+
+
+def test_release_openmp_threads_ends_the_calling_threads_workers() -> None:
+    """The pipeline's (and the engine's, after loading) remedy for two OpenMP pools on few
+    cores: the calling thread's worker threads end, and a later parallel op starts them
+    again. In a fresh process, where no other thread comes and goes."""
+    code = """
+import os, time, torch
+from conveyor.ops.openmp import release_openmp_threads
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+before = tasks()
+torch.ones(1 << 22).exp_().sum()  # a parallel region: the pool's second thread starts
+during = tasks()
+assert release_openmp_threads()
+deadline = time.monotonic() + 10
+while tasks() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = tasks()
+torch.ones(1 << 22).exp_().sum()
+print(before, during, after, tasks())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, during, after, again = map(int, done.stdout.split())
+    assert (during, after, again) == (before + 1, before, before + 1)
 
 
 def test_async_scheduling_is_refused_with_drafts_and_tensor_parallelism() -> None:

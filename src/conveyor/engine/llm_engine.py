@@ -36,6 +36,7 @@ from conveyor.model.llama import CausalLM, load_model
 from conveyor.model.loader import Checkpoint, load_checkpoint
 from conveyor.model.parallel import ShardPlan, check_tensor_parallel
 from conveyor.ops import select_backend
+from conveyor.ops.openmp import release_openmp_threads
 from conveyor.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.cuda_graphs import CudaGraphSpec
@@ -122,6 +123,9 @@ class LLMEngine:
                     self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                     self.device, time.perf_counter() - t0)
         logger.info(self.capacity_summary())
+        # The loading thread's OpenMP workers go: a thread that steps the engine makes its
+        # own, and with two pools on a small CPU every kernel call waits (ops/openmp.py).
+        release_openmp_threads()
         if sched.async_scheduling and self.device.type == "cpu":
             logger.info("async_scheduling on a CPU hides little: the forward pass uses every "
                         "core already, and the host's work shares them (docs/benchmarks.md)")

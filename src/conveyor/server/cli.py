@@ -111,10 +111,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     from conveyor.server.connections import ReadTimeouts, timed_protocol
     from conveyor.server.lifecycle import GracefulServer
 
-    # Build the engine off the main thread. Once the main thread has run a parallel torch
-    # op, torch ops in any other thread (the engine loop) run ~1.5x slower on this CPU
-    # build (measured: a decode-size linear, 330 vs 500 us); threads other than the main
-    # one do not interfere with each other.
+    # Build the engine off the main thread, whose OpenMP workers would otherwise outlive the
+    # load beside the engine loop's: with more OpenMP threads than cores libgomp stops
+    # spin-waiting and every kernel call of a step waits (ops/openmp.py; the engine also
+    # gives the loading thread's pool back, and a thread that ends takes its own along).
     with ThreadPoolExecutor(max_workers=1) as pool:
         llm_engine = pool.submit(LLMEngine, server_engine_args(args)).result()  # logs KV capacity
     engine = AsyncEngine(llm_engine, max_queued_requests=config.max_queued_requests)
