@@ -8,8 +8,8 @@ not receive the aborted request's token (the randomized stress tests of test_sch
 and test_policies.py run with async scheduling too, preemption included). The engine on the
 default model: the same outputs as synchronous scheduling for every sampling parameter, with
 preemption, aborts in flight and a failing step, every KV block free afterwards; and a real
-`conveyor serve --async-scheduling` behind the official client. And the OpenMP remedy the
-pipeline relies on (``ops/openmp.py``).
+`conveyor serve --async-scheduling` behind the official client. And the OpenMP remedy an engine
+applies after loading (``ops/openmp.py``).
 """
 
 from __future__ import annotations
@@ -167,9 +167,9 @@ def test_a_failing_step_ends_its_requests_and_the_next_step_runs_the_others(
 
 
 def test_release_openmp_threads_ends_the_calling_threads_workers() -> None:
-    """The pipeline's (and the engine's, after loading) remedy for two OpenMP pools on few
-    cores: the calling thread's worker threads end, and a later parallel op starts them
-    again. In a fresh process, where no other thread comes and goes."""
+    """The engine's remedy, after loading, for two OpenMP pools on few cores: the calling
+    thread's worker threads end, and a later parallel op starts them again. In a fresh
+    process, where no other thread comes and goes."""
     code = """
 import os, time, torch
 from conveyor.ops.openmp import release_openmp_threads

@@ -224,9 +224,9 @@ class SchedulerConfig:
         64, "priority policy: a waiting request gains one priority level per this many steps")
     tenant_weights: str = setting("", "fair policy: 'alice=2,bob=1' (others weigh 1)")
     async_scheduling: bool = setting(
-        False, "schedule step N+1 while step N runs (its forward pass in a worker thread): "
-               "hides the host's per-step work behind a GPU's; a stop found late costs a "
-               "wasted token; no drafts then (speculative_config, grammar-forced drafts)")
+        False, "launch step N+1 before taking step N's results: hides the host's per-step "
+               "work behind a GPU's; a stop found late costs a wasted token; no drafts then "
+               "(speculative_config, grammar-forced drafts)")
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.attention.metadata import AttentionMetadata
+from conveyor.ops.transfer import upload
 
 T = TypeVar("T")
 
@@ -57,12 +58,12 @@ def paged_batch(meta: AttentionMetadata, block_size: int) -> PagedBatch:
         tables.append(table.view(1, -1))
         starts.append(chunk.query_start + chunk.query_len)
     if meta.prefills:
-        lens.append(torch.tensor([c.num_computed_tokens + c.query_len for c in meta.prefills],
-                                 dtype=torch.int64, device=device))
+        lens.append(upload([c.num_computed_tokens + c.query_len for c in meta.prefills],
+                           device, torch.int64))
     width = max(t.shape[1] for t in tables)
     block_tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
     max_query_len = max([1 if nd else 0] + [c.query_len for c in meta.prefills])
-    return PagedBatch(torch.tensor(starts, dtype=torch.int32, device=device),
+    return PagedBatch(upload(starts, device, torch.int32),
                       torch.cat(lens).to(torch.int32), block_tables, max_query_len)
 
 

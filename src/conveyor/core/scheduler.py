@@ -16,7 +16,8 @@ accepted and the output is the same, in fewer steps.
 
 With ``async_scheduling`` the engine schedules step N+1 before step N's results are in (the
 runner works on N meanwhile): a request N samples for continues in N+1 from a placeholder
-(``Request.num_output_placeholders``), whose id the runner has by the time N+1 runs. Its
+(``Request.num_output_placeholders``), whose id the runner has (on the device) by the time
+N+1 runs. Its
 ``update`` then comes after the next ``schedule``: a request may have been preempted, or a
 new one admitted under a finished one's id, in between. A placeholder that turns out to
 follow a stop costs one wasted token; one that reaches ``max_tokens`` is not scheduled on.

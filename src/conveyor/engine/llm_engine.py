@@ -1,15 +1,14 @@
 """The step loop: schedule, run, update, detokenize, stop checks.
 
-``LLMEngine`` is driven from one thread: ``LLM`` (offline) and ``AsyncEngine`` (the server)
-call ``step()``. Its forward passes run in that thread too, or with ``async_scheduling`` in a
-worker thread one step ahead (``engine/pipeline.py``). Bad input raises ``ValueError`` from ``add_request`` and never reaches
+``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
+(the server) drive it. With ``async_scheduling`` a step is launched one ahead of the results
+the engine takes (``engine/pipeline.py``). Bad input raises ``ValueError`` from ``add_request`` and never reaches
 the scheduler, so one bad request cannot disturb the others; a forward pass that raises
 ends only the requests it ran (finish_reason "error").
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -103,10 +102,10 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.executor: TensorParallelExecutor | None = None
         self.runner = self._build_runner(checkpoint, draft)
-        self.pipeline = StepPipeline(functools.partial(_execute, weakref.ref(self)),
-                                     sched.async_scheduling)
-        if sched.async_scheduling:
-            weakref.finalize(self, self.pipeline.shutdown)
+        # (the runner looked up per step: profilers and tests replace it, or its execute)
+        self.pipeline = StepPipeline(
+            lambda out: self.runner.execute(out),
+            (lambda out: self.runner.launch(out)) if sched.async_scheduling else None)
         self.groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, Sequence]] = {}
         self._ids = itertools.count()
@@ -127,8 +126,8 @@ class LLMEngine:
         # own, and with two pools on a small CPU every kernel call waits (ops/openmp.py).
         release_openmp_threads()
         if sched.async_scheduling and self.device.type == "cpu":
-            logger.info("async_scheduling on a CPU hides little: the forward pass uses every "
-                        "core already, and the host's work shares them (docs/benchmarks.md)")
+            logger.info("async_scheduling on a CPU hides nothing: the forward pass runs on the "
+                        "host (docs/benchmarks.md)")
 
     def _build_runner(self, checkpoint: Checkpoint, draft: CausalLM | None
                       ) -> ModelRunner | TensorParallelExecutor:
@@ -178,8 +177,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also at exit: they are
-        daemon processes), and the async scheduling's worker thread."""
-        self.pipeline.shutdown()
+        daemon processes)."""
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -365,7 +363,7 @@ class LLMEngine:
         """A step's results: update the scheduler, detokenize, stop-check, trace."""
         scheduler_output = step.out
         try:
-            runner_output = step.result.result()
+            runner_output = step.result()
         except TensorParallelError:
             raise  # a rank is gone: no later step can run
         except Exception as error:
@@ -512,15 +510,6 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """KV invariants (with no request alive, every block is free)."""
         self.scheduler.check_integrity()
-
-
-def _execute(engine: weakref.ref[LLMEngine], out: SchedulerOutput) -> ModelRunnerOutput:
-    """The engine's runner runs a step: looked up per step, since profilers and tests replace
-    the runner or its ``execute``; through a weak reference, so that the pipeline's finalizer
-    does not keep the engine alive."""
-    live = engine()
-    assert live is not None, "the engine is gone"
-    return live.runner.execute(out)
 
 
 def _step_kind(s: ScheduledRequest) -> str:

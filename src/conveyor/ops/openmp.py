@@ -3,11 +3,11 @@
 OpenMP keeps a pool of worker threads per thread that has started a parallel region, and
 libgomp counts every pool's threads: once they outnumber the cores it stops spin-waiting
 between parallel regions, and every kernel call of a decode step then waits for its workers
-to wake (one stream: 0.4x on a 2-core machine, docs/benchmarks.md). Async scheduling runs
-the forward passes in a worker thread; the thread that loaded the model (or ran another
-engine's steps) keeps its pool unless it gives it back, which this does. OpenMP 5.0's
-``omp_pause_resource_all`` frees only the calling thread's pool; the next parallel region
-started from that thread makes a new one.
+to wake (one stream: 0.4x on a 2-core machine, docs/benchmarks.md). An engine built in one
+thread and stepped in another (the server's loop thread, an application's worker) would
+meet that: the thread that loaded the model keeps its pool unless it gives it back, which
+this does. OpenMP 5.0's ``omp_pause_resource_all`` frees only the calling thread's pool; the
+next parallel region started from that thread makes a new one.
 """
 
 from __future__ import annotations

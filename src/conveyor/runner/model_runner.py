@@ -7,6 +7,12 @@ the end of its input. A request verifying drafted tokens lays out its last token
 drafts as consecutive decode rows (each attends to the positions up to its own, the rows
 before it included), so a step of decodes and verifies takes the decode-only path; every
 row's logits go to ``Sampler.verify``.
+
+``launch`` runs a step up to its sampled tokens on the device and returns a ``PendingStep``
+whose ``result()`` waits for them (``execute`` does both). With async scheduling the engine
+launches step N+1 before it takes N's result: a decode whose input is N's token (not on the
+host yet) gets it on the device, from N's sampled ids. A request whose next step needs N's
+tokens on the host (penalties, min_tokens, a grammar, drafts) has N's result taken first.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from conveyor.model.llama import CausalLM
 from conveyor.ops import OpsBackend
 from conveyor.ops.reference import kv_cache_shape, tiles_as_rows
+from conveyor.ops.transfer import upload
 from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
-from conveyor.runner.sampler import Sampler, SamplingState, make_generator
-from conveyor.runner.transfer import upload
+from conveyor.runner.sampler import Sampled, Sampler, SamplingState, make_generator
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
 if TYPE_CHECKING:
@@ -164,6 +170,8 @@ class ModelRunner:
         # Report the tokens each grammar forces next (the scheduler drafts them)
         self.forced_drafts = forced_drafts
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
+        # request id -> the launched step whose result has its next token, and its row
+        self._pending: dict[str, tuple[PendingStep, int]] = {}
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
@@ -187,19 +195,27 @@ class ModelRunner:
         if self.graphs is not None:  # the graphs launch the old backend's kernels
             self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Run one step up to its sampled tokens on the device; their copy to the host is
+        started, ``result()`` waits for it (the step's one device sync)."""
+        self._take_results_needed(out)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
             self.tokens.pop(request_id, None)
             self.prompt_lens.pop(request_id, None)
             self.matchers.pop(request_id, None)
+            self._pending.pop(request_id, None)
             if self.drafter is not None:
                 self.drafter.forget(request_id)
         self._copy_blocks(out)
         self._add_requests(out)
         if out.is_empty:
-            return ModelRunnerOutput({})
+            return PendingStep.done(ModelRunnerOutput({}))
         # Decodes first: the attention backend batches them together.
         batch = sorted(out.scheduled, key=lambda s: not self._is_decode(s))
         draft_seconds = 0.0
@@ -215,32 +231,74 @@ class ModelRunner:
         else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
             hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         if not samplers:
-            return ModelRunnerOutput({})
+            return PendingStep.done(ModelRunnerOutput({}))
         # A sampling request's rows: its last token's, after its drafts' (a verify).
         ends = np.cumsum([s.num_new_tokens for s in batch])
         rows = [r for i, s in enumerate(batch) if s.samples
                 for r in range(int(ends[i]) - len(s.spec_token_ids) - 1, int(ends[i]))]
         if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[self._upload(rows)]
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
-            return ModelRunnerOutput({})
+            return PendingStep.done(ModelRunnerOutput({}))
         if masks is not None:  # every row of a constrained request (a verify: 1 + drafts)
             constrained, bitmask = masks
             first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
             apply_token_bitmask(logits, bitmask.result(),
                                 [r for i in constrained for r in range(first[i], first[i + 1])])
-        result = self._sampled(samplers, logits)
+        states = [self.states[s.request_id] for s in samplers]
+        if self.drafter is None and not any(s.spec_token_ids for s in samplers):
+            return self._pending_step(samplers, states, self.sampler.sample(logits, states))
+        # Drafts to verify: the sampler decides row by row on the host
+        sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
+        result = self._record(samplers, states, sampled)
         result.draft_seconds = draft_seconds
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
             self.drafter.record(samplers, result)
-        return result
+        return PendingStep.done(result)
 
-    def _sampled(self, samplers: list[ScheduledRequest], logits: torch.Tensor
-                 ) -> ModelRunnerOutput:
-        """Sample (or verify the drafts of) each request from its rows of ``logits``."""
-        states = [self.states[s.request_id] for s in samplers]
-        sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
+    def _pending_step(self, samplers: list[ScheduledRequest], states: list[SamplingState],
+                      sampled: Sampled) -> PendingStep:
+        """A step's one token per request, on the device: the next step may read them there
+        (``_prepare``) before ``result()`` brings them to the host."""
+        sampled.start_copy()
+        step = PendingStep(self, samplers, states, sampled)
+        for i, s in enumerate(samplers):
+            self._pending[s.request_id] = (step, i)
+        return step
+
+    def _take_results_needed(self, out: SchedulerOutput) -> None:
+        """Take the result of a launched step now if this one needs its tokens on the host:
+        a penalty, min_tokens' ban or a grammar mask depends on the tokens so far, and a
+        chunk or a verify lays its tokens out on the host."""
+        for s in out.scheduled:
+            entry = self._pending.get(s.request_id)
+            if entry is None:
+                continue
+            state = self.states[s.request_id]
+            if (s.num_new_tokens > 1 or s.num_spec_tokens or s.request_id in self.matchers
+                    or state.params.uses_penalties
+                    or len(state.output_token_ids) < state.params.min_tokens):
+                entry[0].result()
+
+    def _finish(self, step: PendingStep) -> ModelRunnerOutput:
+        """A launched step's tokens on the host, and the runner's state after them."""
+        assert step.sampled is not None
+        tokens, logprobs = step.sampled.to_host()
+        live = []  # (a request ended since, or its id reused: its token changes nothing)
+        for i, s in enumerate(step.samplers):
+            if self._pending.get(s.request_id, (None, 0))[0] is step:
+                del self._pending[s.request_id]
+            live.append(self.states.get(s.request_id) is step.states[i])
+        samplers = [s for s, ok in zip(step.samplers, live, strict=True) if ok]
+        states = [st for st, ok in zip(step.states, live, strict=True) if ok]
+        sampled = [([t], [lp]) for t, lp, ok in zip(tokens, logprobs, live, strict=True) if ok]
+        return self._record(samplers, states, sampled)
+
+    def _record(self, samplers: list[ScheduledRequest], states: list[SamplingState],
+                sampled: list[tuple[list[int], list[Any]]]) -> ModelRunnerOutput:
+        """Each request's new tokens (accepted drafts, then the one sampled after them) into
+        its state: tokens, sampler state, grammar; the step's output."""
         result = ModelRunnerOutput({})
         for s, state, (tokens, logprobs) in zip(samplers, states, sampled, strict=True):
             state.output_token_ids.extend(tokens)
@@ -340,10 +398,16 @@ class ModelRunner:
         pos_parts, slot_parts = [], []
         prefills: list[PrefillChunk] = []
         decode_rows: list[ScheduledRequest] = []  # the request of each decode row
+        on_device: list[tuple[int, PendingStep, int]] = []  # (row, launched step, its row)
         for s in batch:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             if self._is_decode(s):  # a decode row per token (a verify: 1 + drafts)
-                ids.append(self.tokens[s.request_id][start])
+                tokens = self.tokens[s.request_id]
+                if start == len(tokens):  # the token a launched step samples (async)
+                    on_device.append((len(ids), *self._pending[s.request_id]))
+                    ids.append(0)
+                else:
+                    ids.append(tokens[start])
                 ids.extend(s.spec_token_ids)
                 for row_pos in range(start, end):
                     decode_pos.append(row_pos)
@@ -367,6 +431,10 @@ class ModelRunner:
         positions = self._upload(np.concatenate(pos_parts))
         slot_mapping = self._upload(np.concatenate(slot_parts))
         input_ids = self._upload(ids)
+        for step in {step for _, step, _ in on_device}:  # (the last step's, in practice)
+            rows = [(row, index) for row, s, index in on_device if s is step]
+            input_ids[self._upload([r for r, _ in rows])] = \
+                step.tokens[self._upload([i for _, i in rows])].to(input_ids.dtype)
         decode_tables, decode_lens = self._decode_context(decode_rows, decode_pos)
         meta = AttentionMetadata(slot_mapping, len(decode_rows), decode_tables, decode_lens,
                                  prefills)
@@ -390,3 +458,33 @@ class ModelRunner:
     def _upload(self, host: np.ndarray | list[int]) -> torch.Tensor:
         """Host integers as an int64 tensor on the device (``transfer.upload``)."""
         return upload(host, self.device, torch.int64)
+
+
+class PendingStep:
+    """A launched step: its output once ``result()`` has brought its tokens to the host."""
+
+    def __init__(self, runner: ModelRunner | None, samplers: list[ScheduledRequest],
+                 states: list[SamplingState], sampled: Sampled | None,
+                 output: ModelRunnerOutput | None = None) -> None:
+        self._runner = runner
+        self.samplers = samplers
+        self.states = states  # the sampler states at launch (a reused id gets new ones)
+        self.sampled = sampled
+        self._output = output
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> PendingStep:
+        return cls(None, [], [], None, output)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The sampled ids [len(samplers)], on the device."""
+        assert self.sampled is not None
+        return self.sampled.tokens
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output (waits for the device once; the runner's state follows)."""
+        if self._output is None:
+            assert self._runner is not None
+            self._output = self._runner._finish(self)
+        return self._output

@@ -29,7 +29,7 @@ import torch
 
 from conveyor.core.outputs import Logprob
 from conveyor.ops import OpsBackend, ReferenceBackend
-from conveyor.runner.transfer import upload
+from conveyor.ops.transfer import upload
 from conveyor.sampling_params import SamplingParams
 
 
@@ -75,9 +75,14 @@ class Sampler:
                  ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """logits: [S, V] in the model's dtype, one row per state -> (token ids, logprobs or
         None each)."""
+        return self.sample(logits, states).to_host()
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> Sampled:
+        """The tokens sampled on the logits' device, and what ``Sampled.to_host`` brings
+        back (the ids, and the logprobs packed with them): nothing waits for the device."""
         if all(_plain_greedy(s) for s in states):
             # The argmax of the logits as computed: a float32 copy would not change it.
-            return self.backend.argmax(logits).tolist(), [None] * len(states)
+            return Sampled(self.backend.argmax(logits), [None] * len(states))
         logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):
@@ -89,9 +94,10 @@ class Sampler:
             idx = upload(random_rows, logits.device)
             sampled = self._sample(logits.index_select(0, idx), [states[i] for i in random_rows])
             tokens.index_copy_(0, idx, sampled)
+        wanted = [s.params.logprobs for s in states]
         if raw_logprobs is None:
-            return tokens.tolist(), [None] * len(states)
-        return _with_logprobs(raw_logprobs, tokens, [s.params.logprobs for s in states])
+            return Sampled(tokens, wanted)
+        return Sampled(tokens, wanted, _pack_logprobs(raw_logprobs, tokens, wanted))
 
     def verify(self, logits: torch.Tensor, states: list[SamplingState],
                drafts: list[list[int]]) -> list[tuple[list[int], list[dict[int, Logprob] | None]]]:
@@ -146,7 +152,8 @@ class Sampler:
             return tokens, [None] * len(tokens)
         raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
         drawn = upload(tokens, raw.device)
-        return _with_logprobs(raw, drawn, [state.params.logprobs] * len(tokens))
+        wanted: list[int | None] = [state.params.logprobs] * len(tokens)
+        return Sampled(drawn, wanted, _pack_logprobs(raw, drawn, wanted)).to_host()
 
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
@@ -229,20 +236,59 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _with_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
-                   ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-    """The token ids, and for each row that asks (``wanted[i]`` = n; None: no logprobs) the
-    sampled token's logprob and the top n, with ranks (1 = most likely).
+class Sampled:
+    """One step's sampled tokens on the device, on their way to the host.
 
-    Computed on the logits' device and brought to the host in one copy with the token ids:
-    one device sync per step, not three per request. Rows asking the same n share one
-    ``topk``, so which of tied values a row lists does not depend on the other rows."""
-    groups: dict[int, list[int]] = {}  # n -> the rows asking for the top n
+    ``tokens`` [S] stay on the device (async scheduling feeds them to the next step there);
+    ``start_copy`` starts their copy to host memory (with the logprobs, packed: one copy),
+    ``to_host`` waits for it: the step's one device sync."""
+
+    def __init__(self, tokens: torch.Tensor, wanted: list[int | None],
+                 packed: torch.Tensor | None = None) -> None:
+        self.tokens = tokens
+        self.wanted = wanted  # per row: the top n it asks logprobs for, or None
+        self._packed = packed  # tokens then each asking row's numbers (_pack_logprobs)
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        data = self._packed if self._packed is not None else self.tokens
+        if data.device.type != "cuda":
+            return
+        self._host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        self._host.copy_(data, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def to_host(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """(token ids, per row its logprobs or None)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        data = self._host if self._host is not None else (
+            self._packed if self._packed is not None else self.tokens)
+        if self._packed is None:
+            return data.tolist(), [None] * len(self.wanted)
+        return _unpack_logprobs(data.tolist(), self.wanted)
+
+
+def _logprob_groups(wanted: list[int | None]) -> dict[int, list[int]]:
+    """n -> the rows asking for the top n."""
+    groups: dict[int, list[int]] = {}
     for i, n in enumerate(wanted):
         if n is not None:
             groups.setdefault(n, []).append(i)
+    return groups
+
+
+def _pack_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+                   ) -> torch.Tensor:
+    """The token ids, then for each row that asks (``wanted[i]`` = n; None: no logprobs) the
+    sampled token's logprob and rank, the top n logprobs and their ids, as one float64 tensor
+    on the logits' device: one copy brings it all to the host (one device sync per step, not
+    three per request). Rows asking the same n share one ``topk``, so which of tied values a
+    row lists does not depend on the other rows."""
     parts = [tokens.double()]
-    for n, rows in groups.items():
+    for n, rows in _logprob_groups(wanted).items():
         idx = upload(rows, logprobs.device)
         lp = logprobs.index_select(0, idx)
         sampled = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
@@ -250,7 +296,13 @@ def _with_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[in
         values, ids = lp.topk(n)
         row_parts = [sampled, rank, values, ids]  # per row: 2 + 2n numbers
         parts.append(torch.cat([p.double() for p in row_parts], dim=1).flatten())
-    host: list[float] = torch.cat(parts).tolist()
+    return torch.cat(parts)
+
+
+def _unpack_logprobs(host: list[float], wanted: list[int | None]
+                     ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """``_pack_logprobs``'s numbers as token ids and per row its {token: Logprob} or None."""
+    groups = _logprob_groups(wanted)
     token_list = [int(t) for t in host[:len(wanted)]]
     result: list[dict[int, Logprob] | None] = [None] * len(wanted)
     at = len(wanted)
