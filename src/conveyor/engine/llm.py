@@ -8,6 +8,7 @@ from typing import Any
 from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.stats import EngineStats
+from conveyor.ops.openmp import release_openmp_threads
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
@@ -106,6 +107,9 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+            # This thread's OpenMP workers go with the call: the next call may come from
+            # another thread, and two pools on a small CPU slow every kernel (ops/openmp.py)
+            release_openmp_threads()
         return [final[i] for i in request_ids]
 
 
