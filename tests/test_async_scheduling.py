@@ -126,6 +126,18 @@ def test_async_scheduling_gives_the_synchronous_outputs(engines, kv_free) -> Non
     assert engines["async"].stats().num_preemptions > 0
 
 
+def test_swap_preemption_with_async_scheduling(engines, kv_free) -> None:
+    """Swap: a victim's blocks go to host memory after the step in flight wrote them."""
+    from conftest_models import default_gguf
+
+    default_gguf()
+    swapping = LLM(dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=6,
+                   preemption="swap", async_scheduling=True)
+    assert _generate(swapping) == _generate(engines["sync"])
+    assert swapping.stats().num_swapped_blocks > 0
+    kv_free(swapping)
+
+
 def test_an_abort_with_a_step_in_flight_leaks_nothing(engines, kv_free) -> None:
     engine = engines["async"].engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
