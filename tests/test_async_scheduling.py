@@ -138,6 +138,30 @@ def test_swap_preemption_with_async_scheduling(engines, kv_free) -> None:
     kv_free(swapping)
 
 
+def test_min_tokens_counts_the_token_still_on_the_device(tiny_llama_dir, kv_free) -> None:
+    """min_tokens bans the stop tokens while fewer outputs exist: with async scheduling the
+    last token is still on the device when the next step samples, and must count. A stop
+    token the greedy run produces first at index j, with min_tokens = j + 1: it is banned
+    exactly there (one too few counted would let it stop the request at j, one too many
+    would ban it at j + 1 too)."""
+    from conftest import TINY_KV_MEMORY
+
+    args = dict(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
+    sync, lagged = LLM(**args), LLM(**args, async_scheduling=True)
+    prompt = {"prompt_token_ids": [5, 17, 33, 8, 90]}
+    free = sync.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                ignore_eos=True))[0].outputs[0].token_ids
+    j = next(i for i in range(3, 24) if free[i] not in free[:i])
+    for stop_at, min_tokens in ((j, j + 1), (j, j)):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                stop_token_ids=[free[stop_at]], min_tokens=min_tokens)
+        expected = sync.generate(prompt, params)[0].outputs[0].token_ids
+        assert lagged.generate(prompt, params)[0].outputs[0].token_ids == expected
+        assert (len(expected) == j + 1) == (min_tokens == j)  # stopped at j unless banned
+    for llm in (sync, lagged):
+        kv_free(llm)
+
+
 def test_an_abort_with_a_step_in_flight_leaks_nothing(engines, kv_free) -> None:
     engine = engines["async"].engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
