@@ -12,7 +12,8 @@ row's logits go to ``Sampler.verify``.
 whose ``result()`` waits for them (``execute`` does both). With async scheduling the engine
 launches step N+1 before it takes N's result: a decode whose input is N's token (not on the
 host yet) gets it on the device, from N's sampled ids. A request whose next step needs N's
-tokens on the host (penalties, a grammar, drafts) has N's result taken first.
+tokens on the host (a grammar, drafts) has N's result taken first; the sampler reads a
+pending token on the device too (penalties, min_tokens).
 """
 
 from __future__ import annotations
@@ -248,9 +249,9 @@ class ModelRunner:
                                 [r for i in constrained for r in range(first[i], first[i + 1])])
         states = [self.states[s.request_id] for s in samplers]
         if self.drafter is None and not any(s.spec_token_ids for s in samplers):
-            # (a token still on the device counts for min_tokens' ban: only its count
-            # matters there, and nothing else that reads the tokens runs without a sync)
-            views = [st.after([-1]) if s.request_id in self._pending else st
+            # (a token still on the device counts: min_tokens' ban and the penalties)
+            views = [st.with_pending(self._pending_token(s.request_id))
+                     if s.request_id in self._pending else st
                      for s, st in zip(samplers, states, strict=True)]
             return self._pending_step(samplers, states, self.sampler.sample(logits, views))
         # Drafts to verify: the sampler decides row by row on the host
@@ -273,16 +274,19 @@ class ModelRunner:
 
     def _take_results_needed(self, out: SchedulerOutput) -> None:
         """Take the result of a launched step now if this one needs its tokens on the host:
-        a penalty or a grammar mask depends on the tokens so far, and a chunk or a verify
-        lays its tokens out on the host."""
+        a grammar mask depends on the tokens so far, and a chunk or a verify lays its tokens
+        out on the host."""
         for s in out.scheduled:
             entry = self._pending.get(s.request_id)
             if entry is None:
                 continue
-            state = self.states[s.request_id]
-            if (s.num_new_tokens > 1 or s.num_spec_tokens or s.request_id in self.matchers
-                    or state.params.uses_penalties):
+            if s.num_new_tokens > 1 or s.num_spec_tokens or s.request_id in self.matchers:
                 entry[0].result()
+
+    def _pending_token(self, request_id: str) -> torch.Tensor:
+        """[1]: the request's token a launched step sampled, on the device."""
+        step, index = self._pending[request_id]
+        return step.tokens[index:index + 1]
 
     def _finish(self, step: PendingStep) -> ModelRunnerOutput:
         """A launched step's tokens on the host, and the runner's state after them."""

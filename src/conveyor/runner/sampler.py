@@ -42,6 +42,9 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded requests only
     eos_token_ids: tuple[int, ...] = ()
+    # Outputs sampled by a step whose results are not taken yet (async scheduling): on the
+    # device, after output_token_ids
+    pending_token_ids: torch.Tensor | None = None
 
     def after(self, drafts: list[int]) -> SamplingState:
         """This state as it will be once ``drafts`` are accepted (for row i of a verify)."""
@@ -49,9 +52,25 @@ class SamplingState:
             return self
         return dataclasses.replace(self, output_token_ids=self.output_token_ids + drafts)
 
+    def with_pending(self, token_ids: torch.Tensor) -> SamplingState:
+        """This state with outputs still on the device (a launched step's)."""
+        return dataclasses.replace(self, pending_token_ids=token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        pending = self.pending_token_ids
+        return len(self.output_token_ids) + (0 if pending is None else pending.numel())
+
+    def output_ids_on(self, device: torch.device) -> torch.Tensor:
+        """Every output token id so far, as a tensor on ``device``."""
+        ids = upload(self.output_token_ids, device, torch.long)
+        if self.pending_token_ids is None:
+            return ids
+        return torch.cat([ids, self.pending_token_ids.to(device, torch.long)])
+
     def banned_token_ids(self) -> list[int]:
         """Tokens that would stop the request before min_tokens: masked until then."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        if self.num_output_tokens >= self.params.min_tokens:
             return []
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return [*eos, *self.params.stop_token_ids]
@@ -168,17 +187,18 @@ class Sampler:
         vocab = logits.shape[-1]
         for i in rows:
             p = states[i].params
-            out_ids = upload(states[i].output_token_ids, logits.device, torch.long)
+            out_ids = states[i].output_ids_on(logits.device)
             row = logits[i]
-            if p.repetition_penalty != 1:
-                seen = upload(states[i].prompt_token_ids + states[i].output_token_ids,
-                              logits.device, torch.long).unique()
-                values = row.index_select(0, seen)
-                values = torch.where(values > 0, values / p.repetition_penalty,
-                                     values * p.repetition_penalty)
-                row.index_copy_(0, seen, values)
+            if p.repetition_penalty != 1:  # (a mask, not unique(): no wait for the device)
+                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                seen[upload(states[i].prompt_token_ids, logits.device, torch.long)] = True
+                seen[out_ids] = True
+                row.copy_(torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                        row * p.repetition_penalty), row))
             if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
+                # (not bincount: on CUDA it reads the largest id back to size its output)
+                counts = torch.zeros(vocab, dtype=row.dtype, device=row.device).index_add_(
+                    0, out_ids, torch.ones(out_ids.shape, dtype=row.dtype, device=row.device))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
