@@ -82,7 +82,8 @@ class ProfileGrid:
         return dataclasses.replace(
             base, max_num_seqs=max(base.max_num_seqs, max(self.batches) + 1),
             max_num_batched_tokens=max(base.max_num_batched_tokens or 0, need_tokens),
-            enable_prefix_caching=False)  # every prompt computed: the shapes are what we time
+            enable_prefix_caching=False,  # every prompt computed: the shapes are what we time
+            async_scheduling=False)  # a step timed is a step run, not the one launched next
 
 
 class _Timer:
