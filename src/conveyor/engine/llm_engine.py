@@ -2,9 +2,9 @@
 
 ``LLMEngine`` is synchronous and single-threaded; ``LLM`` (offline) and ``AsyncEngine``
 (the server) drive it. With ``async_scheduling`` a step is launched one ahead of the results
-the engine takes (``engine/pipeline.py``). Bad input raises ``ValueError`` from ``add_request`` and never reaches
-the scheduler, so one bad request cannot disturb the others; a forward pass that raises
-ends only the requests it ran (finish_reason "error").
+the engine takes (``engine/pipeline.py``). Bad input raises ``ValueError`` from
+``add_request`` and never reaches the scheduler, so one bad request cannot disturb the
+others; a forward pass that raises ends only the requests it ran (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -143,8 +143,9 @@ class LLMEngine:
                 self.device, args.enforce_eager, self.scheduler_config.max_num_seqs,
                 self.scheduler_config.max_model_len, self.kv_layout.block_size)
             return ModelRunner(model, self.kv_layout, self.device, args.seed, self.grammars,
-                               drafter=drafter, cuda_graphs=graphs,
-                               forced_drafts=args.grammar_forced_drafts)
+                               drafter=drafter, cuda_graphs=graphs,  # (async: no drafts)
+                               forced_drafts=args.grammar_forced_drafts
+                               and not args.async_scheduling)
 
         self.executor = executor = TensorParallelExecutor.start(
             args, self.model_config, self.device, self.dtype, self.kv_layout)
@@ -345,7 +346,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the outputs of requests that got new tokens (with
         async scheduling: of the step before, while this one runs)."""
-        self.pipeline.submit(self.scheduler.schedule(), time.perf_counter())
+        start = time.perf_counter()
+        self.pipeline.submit(self.scheduler.schedule(), start)
         if not self.pipeline.ready:
             return []  # async: the first step runs while the next one is scheduled
         outputs = self._take(self.pipeline.take())
