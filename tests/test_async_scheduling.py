@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.request import RequestStatus
@@ -160,6 +161,42 @@ def test_min_tokens_counts_the_token_still_on_the_device(tiny_llama_dir, kv_free
         assert (len(expected) == j + 1) == (min_tokens == j)  # stopped at j unless banned
     for llm in (sync, lagged):
         kv_free(llm)
+
+
+def test_the_page_plan_from_the_host_is_the_devices(tiny_llama_dir, monkeypatch) -> None:
+    """FlashInfer plans each step from page lists; built from the host's numbers
+    (``AttentionMetadata.host``, set on CUDA: no wait for the step before) they equal those
+    built from the device tensors, on the runner's own steps: decode rows beside chunked
+    prompts, prefix-cache hits, n-gram verifies (a decode row per draft)."""
+    from conftest import TINY_KV_MEMORY
+    from conveyor.attention.paged_batch import device_page_plan, host_page_plan, paged_batch
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+              max_num_batched_tokens=24, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    runner, block_size = llm.engine.runner, llm.engine.kv_layout.block_size
+    runner.host_sequences = True
+    metas, step = [], runner.model.step
+
+    def capture(input_ids, positions, kv_caches, meta):
+        metas.append(meta)
+        return step(input_ids, positions, kv_caches, meta)
+
+    monkeypatch.setattr(runner.model, "step", capture)
+    shared = list(range(40, 80))
+    prompts = [{"prompt_token_ids": shared[:n] + [7 + i] * (i + 1)}
+               for i, n in enumerate((40, 9, 33, 40, 17, 2))]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert any(m.num_decodes and m.prefills for m in metas)  # mixed steps were planned
+    assert any(c.num_computed_tokens for m in metas for c in m.prefills)  # prefixes too
+    assert llm.stats().spec_decode_num_draft_tokens > 0
+    for meta in metas:
+        assert meta.host is not None
+        host = host_page_plan(meta.host, block_size)
+        device = device_page_plan(paged_batch(meta, block_size), block_size)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len"):
+            assert torch.equal(getattr(host, name), getattr(device, name).to(torch.int32)), name
 
 
 def test_an_abort_with_a_step_in_flight_leaks_nothing(engines, kv_free) -> None:

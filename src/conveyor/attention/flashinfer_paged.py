@@ -19,8 +19,15 @@ import flashinfer
 import torch
 
 from conveyor.attention.metadata import AttentionMetadata
-from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
+from conveyor.attention.paged_batch import (
+    PagedBatch,
+    StepMemo,
+    device_page_plan,
+    host_page_plan,
+    paged_batch,
+)
 from conveyor.ops.reference import write_kv_
+from conveyor.ops.transfer import upload
 
 # FlashInfer's scratch space for its split-KV partial results (the size its examples use).
 WORKSPACE_BYTES = 128 << 20
@@ -35,19 +42,18 @@ class FlashInferAttention:
         self._planned: StepMemo[PagedBatch] = StepMemo()
 
     def plan(self, batch: PagedBatch, q: torch.Tensor, kv_cache: torch.Tensor,
-             scale: float) -> None:
-        """FlashInfer's CSR page lists from the batch's block tables: each sequence's first
-        ceil(seq_len / block_size) blocks, and how many positions of its last one are used."""
+             scale: float, meta: AttentionMetadata) -> None:
+        """FlashInfer's CSR page lists: each sequence's first ceil(seq_len / block_size)
+        blocks, and how many positions of its last one are used. From the host's numbers
+        when the runner gave them (``meta.host``; as vLLM does: the plan reads them on the
+        host), else from the device's (which waits for the step before)."""
         _, _, block_size, kvh, d = kv_cache.shape
-        seq_lens = batch.seq_lens
-        num_pages = (seq_lens + block_size - 1) // block_size
-        used = (torch.arange(batch.block_tables.shape[1], device=q.device)[None, :]
-                < num_pages[:, None])
-        indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32, device=q.device)
-        indptr[1:] = torch.cumsum(num_pages, 0)
-        self.wrapper.plan(batch.query_start, indptr,
-                          batch.block_tables[used].to(torch.int32),
-                          (seq_lens - (num_pages - 1) * block_size).to(torch.int32),
+        plan = (host_page_plan(meta.host, block_size) if meta.host is not None
+                else device_page_plan(batch, block_size))
+        indices = plan.kv_indices
+        if not indices.is_cuda:
+            indices = upload(indices.numpy(), q.device, torch.int32)
+        self.wrapper.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.last_page_len,
                           q.shape[1], kvh, d, block_size, causal=True, sm_scale=scale,
                           q_data_type=q.dtype, kv_data_type=kv_cache.dtype)
 
@@ -58,7 +64,7 @@ class FlashInferAttention:
 
         def build() -> PagedBatch:
             batch = paged_batch(meta, kv_cache.shape[2])
-            self.plan(batch, q, kv_cache, scale)
+            self.plan(batch, q, kv_cache, scale, meta)
             return batch
 
         self._planned.get(meta, (kv_cache.shape, q.dtype), build)

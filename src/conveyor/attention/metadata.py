@@ -29,6 +29,17 @@ class PrefillChunk:
 
 
 @dataclass
+class HostSequences:
+    """The step's sequences as the host built them, decode rows then prefill chunks: what a
+    kernel library's planner reads on the host (FlashInfer's ``plan``), so that it need not
+    copy them back from the device (a copy that waits for the step before)."""
+
+    seq_lens: list[int]  # keys each sequence attends to (its own rows included)
+    block_tables: list[list[int]]  # its first ceil(seq_len / block_size) blocks
+    query_lens: list[int]  # its rows this step (1 per decode row)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot written by each token
     # The first num_decodes tokens are decode rows: one per decoding request, 1 + its drafts
@@ -39,3 +50,4 @@ class AttentionMetadata:
     # [num_decodes] int64: cached positions each decode attends to (its own token included)
     decode_context_lens: torch.Tensor | None
     prefills: list[PrefillChunk]
+    host: HostSequences | None = None  # set by the runner on CUDA

@@ -5,6 +5,7 @@ of its keys. Torch only (no kernel library), so the backend selector imports it 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.nn.functional as F
 
-from conveyor.attention.metadata import AttentionMetadata
+from conveyor.attention.metadata import AttentionMetadata, HostSequences
 from conveyor.ops.transfer import upload
 
 T = TypeVar("T")
@@ -65,6 +66,46 @@ def paged_batch(meta: AttentionMetadata, block_size: int) -> PagedBatch:
     max_query_len = max([1 if nd else 0] + [c.query_len for c in meta.prefills])
     return PagedBatch(upload(starts, device, torch.int32),
                       torch.cat(lens).to(torch.int32), block_tables, max_query_len)
+
+
+@dataclass
+class PagePlan:
+    """A step's sequences in the CSR form of paged-attention planners (FlashInfer's): query
+    rows per sequence (``qo_indptr``), its pages (``kv_indices`` from ``kv_indptr``) and the
+    positions used in its last page, as int32 tensors on the host."""
+
+    qo_indptr: torch.Tensor  # [num_seqs + 1]
+    kv_indptr: torch.Tensor  # [num_seqs + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]]
+    last_page_len: torch.Tensor  # [num_seqs]
+
+
+def host_page_plan(host: HostSequences, block_size: int) -> PagePlan:
+    """``PagePlan`` of the step from the host's numbers: no copy from the device."""
+    num_pages = [-(-n // block_size) for n in host.seq_lens]
+    indices = [b for table, n in zip(host.block_tables, num_pages, strict=True)
+               for b in table[:n]]
+
+    def int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    return PagePlan(int32([0, *itertools.accumulate(host.query_lens)]),
+                    int32([0, *itertools.accumulate(num_pages)]), int32(indices),
+                    int32([n - (p - 1) * block_size
+                           for n, p in zip(host.seq_lens, num_pages, strict=True)]))
+
+
+def device_page_plan(batch: PagedBatch, block_size: int) -> PagePlan:
+    """``PagePlan`` of the step from its device tensors (on their device; reading them on
+    the host waits for the device, and ``block_tables[used]`` does so by itself)."""
+    seq_lens = batch.seq_lens
+    num_pages = (seq_lens + block_size - 1) // block_size
+    used = (torch.arange(batch.block_tables.shape[1], device=seq_lens.device)[None, :]
+            < num_pages[:, None])
+    indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32, device=seq_lens.device)
+    indptr[1:] = torch.cumsum(num_pages, 0)
+    return PagePlan(batch.query_start, indptr, batch.block_tables[used].to(torch.int32),
+                    (seq_lens - (num_pages - 1) * block_size).to(torch.int32))
 
 
 class StepMemo(Generic[T]):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+from conveyor.attention.metadata import AttentionMetadata, HostSequences, PrefillChunk
 from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.model.llama import CausalLM
@@ -173,6 +173,9 @@ class ModelRunner:
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
         # request id -> the launched step whose result has its next token, and its row
         self._pending: dict[str, tuple[PendingStep, int]] = {}
+        # Give the attention metadata the host's list of sequences (on CUDA: FlashInfer plans
+        # from it without waiting for the device; tests set it on CPU)
+        self.host_sequences = device.type == "cuda"
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
@@ -445,7 +448,22 @@ class ModelRunner:
         decode_tables, decode_lens = self._decode_context(decode_rows, decode_pos)
         meta = AttentionMetadata(slot_mapping, len(decode_rows), decode_tables, decode_lens,
                                  prefills)
+        if self.host_sequences:  # for a planner on the host (FlashInfer's)
+            meta.host = self._host_sequences(decode_rows, decode_pos, batch)
         return input_ids, positions, meta
+
+    def _host_sequences(self, decode_rows: list[ScheduledRequest], decode_pos: list[int],
+                        batch: list[ScheduledRequest]) -> HostSequences:
+        """The step's sequences as ``AttentionMetadata.host`` lists them: each decode row
+        (its position + 1 keys), then each prefill chunk (its prefix and itself)."""
+        bs = self.block_size
+        seqs = [(pos + 1, s.block_ids, 1) for s, pos in zip(decode_rows, decode_pos,
+                                                           strict=True)]
+        seqs += [(s.num_computed_tokens + s.num_new_tokens, s.block_ids, s.num_new_tokens)
+                 for s in batch if not self._is_decode(s)]
+        return HostSequences([n for n, _, _ in seqs],
+                             [table[:-(-n // bs)] for n, table, _ in seqs],
+                             [q for _, _, q in seqs])
 
     def _decode_context(self, rows: list[ScheduledRequest], positions: list[int]
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
