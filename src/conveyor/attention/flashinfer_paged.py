@@ -27,7 +27,6 @@ from conveyor.attention.paged_batch import (
     paged_batch,
 )
 from conveyor.ops.reference import write_kv_
-from conveyor.ops.transfer import upload
 
 # FlashInfer's scratch space for its split-KV partial results (the size its examples use).
 WORKSPACE_BYTES = 128 << 20
@@ -48,11 +47,9 @@ class FlashInferAttention:
         when the runner gave them (``meta.host``; as vLLM does: the plan reads them on the
         host), else from the device's (which waits for the step before)."""
         _, _, block_size, kvh, d = kv_cache.shape
-        plan = (host_page_plan(meta.host, block_size) if meta.host is not None
+        plan = (host_page_plan(meta.host, block_size, pin=True) if meta.host is not None
                 else device_page_plan(batch, block_size))
-        indices = plan.kv_indices
-        if not indices.is_cuda:
-            indices = upload(indices.numpy(), q.device, torch.int32)
+        indices = plan.kv_indices.to(q.device, non_blocking=True)  # (pinned, or there)
         self.wrapper.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.last_page_len,
                           q.shape[1], kvh, d, block_size, causal=True, sm_scale=scale,
                           q_data_type=q.dtype, kv_data_type=kv_cache.dtype)

@@ -80,14 +80,16 @@ class PagePlan:
     last_page_len: torch.Tensor  # [num_seqs]
 
 
-def host_page_plan(host: HostSequences, block_size: int) -> PagePlan:
-    """``PagePlan`` of the step from the host's numbers: no copy from the device."""
+def host_page_plan(host: HostSequences, block_size: int, pin: bool = False) -> PagePlan:
+    """``PagePlan`` of the step from the host's numbers: no copy from the device. ``pin``:
+    in pinned memory, so that their copies to a GPU do not wait for it either."""
     num_pages = [-(-n // block_size) for n in host.seq_lens]
     indices = [b for table, n in zip(host.block_tables, num_pages, strict=True)
                for b in table[:n]]
 
     def int32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
+        tensor = torch.tensor(values, dtype=torch.int32)
+        return tensor.pin_memory() if pin else tensor
 
     return PagePlan(int32([0, *itertools.accumulate(host.query_lens)]),
                     int32([0, *itertools.accumulate(num_pages)]), int32(indices),
