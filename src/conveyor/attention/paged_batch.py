@@ -50,21 +50,25 @@ def paged_batch(meta: AttentionMetadata, block_size: int) -> PagedBatch:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         tables.append(meta.decode_block_tables)
         lens.append(meta.decode_context_lens)
-    starts = list(range(nd + 1))
+    # A decode-only step (what CUDA graphs capture) copies nothing from the host: a copy
+    # captured in a graph would replay from a host buffer long since reused.
+    starts = [torch.arange(nd + 1, dtype=torch.int32, device=device)]
+    chunk_ends = []
     for chunk in meta.prefills:
         table = chunk.block_table
         if table is None:
             end = chunk.query_start + chunk.query_len
             table = meta.slot_mapping[chunk.query_start:end:block_size] // block_size
         tables.append(table.view(1, -1))
-        starts.append(chunk.query_start + chunk.query_len)
+        chunk_ends.append(chunk.query_start + chunk.query_len)
     if meta.prefills:
+        starts.append(upload(chunk_ends, device, torch.int32))
         lens.append(upload([c.num_computed_tokens + c.query_len for c in meta.prefills],
                            device, torch.int64))
     width = max(t.shape[1] for t in tables)
     block_tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
     max_query_len = max([1 if nd else 0] + [c.query_len for c in meta.prefills])
-    return PagedBatch(upload(starts, device, torch.int32),
+    return PagedBatch(torch.cat(starts),
                       torch.cat(lens).to(torch.int32), block_tables, max_query_len)
 
 

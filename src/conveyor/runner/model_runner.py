@@ -18,6 +18,7 @@ pending token on the device too (penalties, min_tokens).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import Future
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from conveyor.runner.draft import DraftModelProposer
     from conveyor.structured.compiler import GrammarCompiler
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class KVCacheLayout:
@@ -141,6 +143,13 @@ class ModelRunner:
                  sampling: bool = True, drafter: DraftModelProposer | None = None,
                  cuda_graphs: CudaGraphSpec | None = None, forced_drafts: bool = True) -> None:
         self.model = model
+        # No graphs over FlashInfer: its plan reads the step's page lists on the host, which a
+        # graph cannot capture (its CUDA-graph wrapper, planned before each replay, is not
+        # wired in); the Triton kernel and the reference ops capture.
+        if cuda_graphs is not None and getattr(model.backend, "attention", None) == "flashinfer":
+            logger.warning("CUDA graphs off: the FlashInfer attention path cannot be captured "
+                           "yet (without flashinfer installed, the Triton kernel runs, with graphs)")
+            cuda_graphs = None
         # False on tensor-parallel ranks other than 0: they run the model (its collectives)
         # and keep the tokens in step with rank 0's samples (``add_sampled``), but rank 0
         # alone samples.
