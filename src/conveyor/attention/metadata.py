@@ -50,4 +50,4 @@ class AttentionMetadata:
     # [num_decodes] int64: cached positions each decode attends to (its own token included)
     decode_context_lens: torch.Tensor | None
     prefills: list[PrefillChunk]
-    host: HostSequences | None = None  # set by the runner on CUDA
+    host: HostSequences | None = None  # set by the runner over FlashInfer

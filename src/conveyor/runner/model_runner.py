@@ -182,9 +182,9 @@ class ModelRunner:
         self._bitmasks: BitmaskFiller | None = None  # made on the first constrained step
         # request id -> the launched step whose result has its next token, and its row
         self._pending: dict[str, tuple[PendingStep, int]] = {}
-        # Give the attention metadata the host's list of sequences (on CUDA: FlashInfer plans
-        # from it without waiting for the device; tests set it on CPU)
-        self.host_sequences = device.type == "cuda"
+        # Give the attention metadata the host's list of sequences (FlashInfer plans from it
+        # without waiting for the device; tests set it on CPU)
+        self.host_sequences = getattr(model.backend, "attention", None) == "flashinfer"
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
