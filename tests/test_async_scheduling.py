@@ -165,9 +165,9 @@ def test_min_tokens_counts_the_token_still_on_the_device(tiny_llama_dir, kv_free
 
 def test_the_page_plan_from_the_host_is_the_devices(tiny_llama_dir, monkeypatch) -> None:
     """FlashInfer plans each step from page lists; built from the host's numbers
-    (``AttentionMetadata.host``, set over FlashInfer: no wait for the step before) they equal those
-    built from the device tensors, on the runner's own steps: decode rows beside chunked
-    prompts, prefix-cache hits, n-gram verifies (a decode row per draft)."""
+    (``AttentionMetadata.host``, set over FlashInfer: no wait for the step before) they
+    equal those built from the device tensors, on the runner's own steps: decode rows beside
+    chunked prompts, prefix-cache hits, n-gram verifies (a decode row per draft)."""
     from conftest import TINY_KV_MEMORY
     from conveyor.attention.paged_batch import device_page_plan, host_page_plan, paged_batch
 
