@@ -19,6 +19,7 @@ from attention_cases import Seq, check_against_reference, make_step
 from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
+from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
 from conveyor.attention.triton_paged import attend, interpreted, triton_paged_attention
 from conveyor.ops import OpsBackend, ReferenceBackend
@@ -181,3 +182,49 @@ def test_an_engine_whose_backend_has_the_kernel_generates_as_the_reference(
     for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
         assert ids == ref_ids
         assert lp == pytest.approx(ref_lp, abs=1e-4)
+
+
+def test_graph_padded_decode_steps_through_the_kernel_generate_as_the_reference(
+        tiny_llama_dir, kv_free, monkeypatch) -> None:
+    """What a CUDA graph replays over the Triton kernel, run eagerly on CPU: decode-only
+    steps padded to a bucket (padding rows at position 0, on the scratch block), their
+    ``paged_batch`` built with no copy from the host (one would be captured); the same tokens
+    and logprobs as the reference ops without graphs."""
+    from conveyor.runner.cuda_graphs import CudaGraphSpec, graph_batch_sizes
+    from conveyor.runner.model_runner import ModelRunner
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=128, max_num_seqs=8, enable_prefix_caching=False)
+    engine = llm.engine
+    prompts = [{"prompt_token_ids": list(range(7 * i + 3, 7 * i + 3 + n))}
+               for i, n in enumerate((5, 17, 3, 29, 11))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(prompts, params)
+        kv_free(llm)
+        return [(list(o.outputs[0].token_ids),
+                 [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    engine.runner.use_backend(ReferenceBackend())
+    reference_out = run()
+    spec = CudaGraphSpec(graph_batch_sizes(8), -(-128 // engine.kv_layout.block_size))
+    runner = ModelRunner(engine.runner.model, engine.kv_layout, engine.device, 0,
+                         engine.grammars, cuda_graphs=spec)
+    runner.use_backend(_TritonBackend())
+    engine.runner = runner
+    graphed_out = run()
+    assert runner.graphs is not None and runner.graphs.replays > 0
+    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, graphed_out, strict=True):
+        assert ids == ref_ids
+        assert lp == pytest.approx(ref_lp, abs=1e-4)
+    import conveyor.attention.paged_batch as batching
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("a decode-only step copied from the host")
+
+    monkeypatch.setattr(batching, "upload", no_host_copy)
+    decodes = AttentionMetadata(torch.arange(3), 3, torch.zeros((3, 2), dtype=torch.int64),
+                                torch.tensor([1, 17, 30]), [])
+    assert batching.paged_batch(decodes, 16).query_start.tolist() == [0, 1, 2, 3]
