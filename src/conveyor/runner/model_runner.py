@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class KVCacheLayout:
     """How the KV memory budget becomes blocks."""
@@ -143,10 +144,11 @@ class ModelRunner:
                  sampling: bool = True, drafter: DraftModelProposer | None = None,
                  cuda_graphs: CudaGraphSpec | None = None, forced_drafts: bool = True) -> None:
         self.model = model
+        flashinfer = getattr(model.backend, "attention", None) == "flashinfer"
         # No graphs over FlashInfer: its plan reads the step's page lists on the host, which a
         # graph cannot capture (its CUDA-graph wrapper, planned before each replay, is not
         # wired in); the Triton kernel and the reference ops capture.
-        if cuda_graphs is not None and getattr(model.backend, "attention", None) == "flashinfer":
+        if cuda_graphs is not None and flashinfer:
             logger.warning("CUDA graphs off: the FlashInfer attention path cannot be captured "
                            "yet (without flashinfer installed, the Triton kernel runs, with graphs)")
             cuda_graphs = None
@@ -184,7 +186,7 @@ class ModelRunner:
         self._pending: dict[str, tuple[PendingStep, int]] = {}
         # Give the attention metadata the host's list of sequences (FlashInfer plans from it
         # without waiting for the device; tests set it on CPU)
-        self.host_sequences = getattr(model.backend, "attention", None) == "flashinfer"
+        self.host_sequences = flashinfer
 
     def use_backend(self, backend: OpsBackend) -> None:
         """Run the model and the sampler with these ops (``conveyor.ops.select_backend``
@@ -416,6 +418,7 @@ class ModelRunner:
         decode_slots: list[int] = []
         pos_parts, slot_parts = [], []
         prefills: list[PrefillChunk] = []
+        chunk_rows: list[ScheduledRequest] = []  # the request of each prefill chunk
         decode_rows: list[ScheduledRequest] = []  # the request of each decode row
         on_device: list[tuple[int, PendingStep, int]] = []  # (row, launched step, its row)
         for s in batch:
@@ -443,6 +446,7 @@ class ModelRunner:
             table_t = None
             if start > 0 or generated:
                 table_t = self._upload(s.block_ids[:-(-end // bs)])
+            chunk_rows.append(s)
             prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens,
                                          start, table_t, generated))
         pos_parts.insert(0, np.array(decode_pos, dtype=np.int64))
@@ -458,18 +462,18 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping, len(decode_rows), decode_tables, decode_lens,
                                  prefills)
         if self.host_sequences:  # for a planner on the host (FlashInfer's)
-            meta.host = self._host_sequences(decode_rows, decode_pos, batch)
+            meta.host = self._host_sequences(decode_rows, decode_pos, chunk_rows)
         return input_ids, positions, meta
 
     def _host_sequences(self, decode_rows: list[ScheduledRequest], decode_pos: list[int],
-                        batch: list[ScheduledRequest]) -> HostSequences:
+                        chunk_rows: list[ScheduledRequest]) -> HostSequences:
         """The step's sequences as ``AttentionMetadata.host`` lists them: each decode row
         (its position + 1 keys), then each prefill chunk (its prefix and itself)."""
         bs = self.block_size
         seqs = [(pos + 1, s.block_ids, 1) for s, pos in zip(decode_rows, decode_pos,
                                                            strict=True)]
         seqs += [(s.num_computed_tokens + s.num_new_tokens, s.block_ids, s.num_new_tokens)
-                 for s in batch if not self._is_decode(s)]
+                 for s in chunk_rows]
         return HostSequences([n for n, _, _ in seqs],
                              [table[:-(-n // bs)] for n, table, _ in seqs],
                              [q for _, _, q in seqs])
