@@ -17,9 +17,8 @@ accepted and the output is the same, in fewer steps.
 With ``async_scheduling`` the engine schedules step N+1 before step N's results are in (the
 runner works on N meanwhile): a request N samples for continues in N+1 from a placeholder
 (``Request.num_output_placeholders``), whose id the runner has (on the device) by the time
-N+1 runs. Its
-``update`` then comes after the next ``schedule``: a request may have been preempted, or a
-new one admitted under a finished one's id, in between. A placeholder that turns out to
+N+1 runs. Its ``update`` then comes after the next ``schedule``: a request may have been
+preempted, or a new one admitted under a finished one's id, in between. A placeholder that turns out to
 follow a stop costs one wasted token; one that reaches ``max_tokens`` is not scheduled on.
 Drafts need the tokens before them, so an async scheduler verifies none.
 """
@@ -204,7 +203,7 @@ class Scheduler:
         without free blocks for it, the request decodes plainly."""
         decodes = [r for r in self.running if (item := step.scheduled.get(r.request_id))
                    and item.num_new_tokens == 1 and item.samples
-                   and r.num_scheduled_tokens >= r.num_prompt_tokens]
+                   and r.num_computed_tokens >= r.num_prompt_tokens]
         if self.spec is not None:
             scheduled = self.config.max_num_batched_tokens - step.budget
             self.spec.begin_step(scheduled, sum(s.samples for s in step.scheduled.values()))
@@ -220,8 +219,7 @@ class Scheduler:
                 num, drafts = self.spec.propose(request, limit)
             else:
                 continue
-            if num and (table := self.kv_cache.allocate_slots(
-                    request, request.num_inflight_tokens + 1 + num)) is not None:
+            if num and (table := self.kv_cache.allocate_slots(request, 1 + num)) is not None:
                 step.add_drafts(request, num, drafts, table)
                 if forced:
                     self._forced_verifies.add(request.request_id)

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-
-logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")  # GNU, Intel, LLVM
