@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -108,14 +109,18 @@ def _generate(llm: LLM) -> list[tuple]:
             for o in outputs for c in o.outputs]
 
 
+# The default model in float32 with room for few sequences: running requests get preempted
+SMALL_CACHE: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB",
+                                   max_num_seqs=6)
+
+
 @pytest.fixture(scope="module")
 def engines() -> dict[str, LLM]:
     """The default model, float32, synchronous and async, with room for few sequences."""
     from conftest_models import default_gguf
 
     default_gguf()
-    args = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=6)
-    return {"sync": LLM(**args), "async": LLM(**args, async_scheduling=True)}
+    return {"sync": LLM(**SMALL_CACHE), "async": LLM(**SMALL_CACHE, async_scheduling=True)}
 
 
 def test_async_scheduling_gives_the_synchronous_outputs(engines, kv_free) -> None:
@@ -132,8 +137,7 @@ def test_swap_preemption_with_async_scheduling(engines, kv_free) -> None:
     from conftest_models import default_gguf
 
     default_gguf()
-    swapping = LLM(dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=6,
-                   preemption="swap", async_scheduling=True)
+    swapping = LLM(**SMALL_CACHE, preemption="swap", async_scheduling=True)
     assert _generate(swapping) == _generate(engines["sync"])
     assert swapping.stats().num_swapped_blocks > 0
     kv_free(swapping)
