@@ -333,6 +333,23 @@ def test_stop_token_ids_outside_vocabulary(default_llm) -> None:
     _still_serves(default_llm)
 
 
+def test_a_request_id_may_not_take_a_samples_id(tiny_llm, kv_free) -> None:
+    """n > 1 samples run as id#0, id#1: a request named like one of them is refused, in
+    either order, and the request already there finishes as it would alone."""
+    engine = tiny_llm.engine
+    two, one = (SamplingParams(n=n, max_tokens=4, ignore_eos=True) for n in (2, 1))
+    for first, second in ((("foo", two), ("foo#1", one)), (("foo#1", one), ("foo", two))):
+        engine.add_request("Hello", first[1], request_id=first[0])
+        with pytest.raises(ValueError, match=rf"request_id '{second[0]}' is already in use"):
+            engine.add_request("Hello", second[1], request_id=second[0])
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert [o.request_id for o in outputs] == [first[0]]
+        assert [len(c.token_ids) for c in outputs[0].outputs] == [4] * first[1].n
+    kv_free(tiny_llm)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),

@@ -263,8 +263,13 @@ class LLMEngine:
                     priority: int = 0, user: str | None = None) -> str:
         """Validate and queue a request; raises ValueError for bad input."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        # n > 1 samples run as id#0, id#1, ...: none may take a live request's or sample's id.
+        sample_ids = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 \
+            else [request_id]
+        clash = next((i for i in sample_ids if i in self._sequences), None)
+        if request_id in self.groups or clash is not None:
+            detail = "" if clash in (None, request_id) else f" (its sample {clash!r} is)"
+            raise ValueError(f"request_id {request_id!r} is already in use{detail}")
         text, ids = self.tokenize_prompt(prompt)
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
         self.compile_grammar(params)
@@ -273,7 +278,7 @@ class LLMEngine:
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child = Request(f"{request_id}#{i}" if params.n > 1 else request_id, list(ids),
+            child = Request(sample_ids[i], list(ids),
                             params.replace(n=1, seed=seed), eos_token_ids=eos,
                             max_model_len=self.scheduler_config.max_model_len,
                             priority=priority, user=user)
