@@ -188,6 +188,23 @@ def test_stop_string_across_token_boundary(default_llm, default_greedy, kv_free)
     kv_free(default_llm)
 
 
+def test_min_tokens_holds_back_stop_strings(default_llm, default_greedy, kv_free) -> None:
+    """As vLLM: a stop string counts only where it ends past the first min_tokens tokens."""
+    ids, text = default_greedy
+    tokenizer = default_llm.get_tokenizer()
+    stop = tokenizer.decode(ids[1:2])  # " canvas": the greedy text says it three times
+    for min_tokens in (0, 3):
+        held = len(tokenizer.decode(ids[:min_tokens]))
+        start = text.find(stop, max(held - len(stop) + 1, 0))
+        assert (start > text.find(stop)) == (min_tokens > 0)  # a later one, past the first
+        (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=min_tokens, stop=[stop]))
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop" and completion.text == text[:start]
+        assert completion.token_ids == ids[:len(completion.token_ids)]
+    kv_free(default_llm)
+
+
 def test_stop_string_included_on_request(default_llm, default_greedy, kv_free) -> None:
     ids, text = default_greedy
     stop = text[5:9]

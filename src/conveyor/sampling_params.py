@@ -84,6 +84,8 @@ class SamplingParams:
 
     ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples reproducible
     whatever else shares its batch. ``stop`` strings are not included in the output text.
+    ``min_tokens`` holds back EOS, ``stop_token_ids`` and stop strings (one may begin in the
+    first ``min_tokens`` tokens and end after them), as vLLM does.
     """
 
     n: int = 1

@@ -59,6 +59,8 @@ class Sequence:
             self.text += self.detokenizer.update([token_id])
         if status.finished:
             self.text += self.detokenizer.flush()  # even a trailing incomplete character
+        if self.num_tokens_seen <= params.min_tokens:
+            return None  # as vLLM: no stop string ends within the first min_tokens tokens
         return self._find_stop_string(params, checked_len)
 
     def _find_stop_string(self, params: SamplingParams, checked_len: int) -> str | None:
