@@ -23,7 +23,7 @@ for rows in (1, 2, 3, 4, 5, 6, 8, 16):
     best = float("inf")
     for _ in range(7):
         start = time.perf_counter()
-        for m, x in zip(linears, xs):
+        for m, x in zip(linears, xs, strict=True):
             m(x)
         best = min(best, time.perf_counter() - start)
     print(f"{rows:3} rows  {best * 1e3:6.2f} ms", flush=True)
