@@ -288,3 +288,48 @@ def test_duplicate_authorization_headers_are_refused(server: ServerProcess,
     response = httpx.get(server.base_url + "/v1/models", headers=headers)
     assert _error(response, 401)["code"] == "invalid_api_key"
     assert httpx.get(server.base_url + "/v1/models", headers=AUTH).status_code == 200
+
+
+# ---------------------------------------------------------------------- vLLM's extra fields
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
+    ("/v1/completions", {"prompt": "Hi", "bad_words": ["sky"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "Hi", "add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "stream": True,
+                         "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(
+        server: ServerProcess, http: httpx.Client, path: str, body: dict, field: str):
+    """A field of vLLM's API this server does not implement is a 400 naming it; set to the
+    value that asks for nothing, or unknown to vLLM too, it is ignored (the latter logged)."""
+    assert _error(http.post(path, json={"max_tokens": 2, **body}))["param"] == field
+    quiet = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+             "add_special_tokens": path == "/v1/completions", "frobnicate-4242": 1}
+    prompt = {"messages": CHAT} if "chat" in path else {"prompt": "Hi"}
+    assert http.post(path, json={"max_tokens": 2, **prompt, **quiet}).status_code == 200
+    assert "'frobnicate-4242'" in _wait_for_log(server, "frobnicate-4242", 1)
+
+
+def test_continue_final_message(server: ServerProcess, http: httpx.Client,
+                                client: openai.OpenAI):
+    """vLLM's continue_final_message: the assistant's last message is left open (rendered
+    up to its text) and the model continues it; with add_generation_prompt a 400."""
+    start = "The capital of France is"
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": start}]
+    body = {"model": server.model, "messages": messages, "add_generation_prompt": False}
+    closed = http.post("/tokenize", json=body).json()["tokens"]
+    opened = http.post("/tokenize", json={**body, "continue_final_message": True}).json()
+    tokenizer_text = http.post("/detokenize", json={"model": server.model,
+                                                    "tokens": opened["tokens"]})
+    assert tokenizer_text.status_code == 200 and tokenizer_text.json()["prompt"].endswith(start)
+    assert opened["tokens"] == closed[:len(opened["tokens"])] and opened["count"] < len(closed)
+    reply = client.chat.completions.create(
+        messages=messages, model=server.model, temperature=0, max_tokens=4,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert reply.usage.prompt_tokens == opened["count"] and reply.choices[0].message.content
+    error = _bad_chat(client, server, messages=messages,
+                      extra_body={"continue_final_message": True})
+    assert error["param"] == "continue_final_message"

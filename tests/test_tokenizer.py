@@ -83,6 +83,21 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, messages,
     assert tok.apply_chat_template(messages, add_generation_prompt) == expected
 
 
+@pytest.mark.parametrize("start", ["The answer is", "  Four, since "])
+def test_continue_final_message_matches_transformers(tok: Tokenizer, hf_tok, start) -> None:
+    """The last message left open, as transformers renders it (spaces around it kept)."""
+    messages = [*CONVERSATIONS[0], {"role": "assistant", "content": start}]
+    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True)
+    got = tok.apply_chat_template(messages, False, continue_final_message=True)
+    assert got == expected and got.endswith(start)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(messages, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="final message with text"):
+        tok.apply_chat_template([*messages[:1], {"role": "assistant", "content": " "}], False,
+                                continue_final_message=True)
+
+
 def test_chat_template_errors(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="list"):
         tok.apply_chat_template("hello")  # type: ignore[arg-type]

@@ -64,8 +64,11 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate replies to conversations rendered by the model's chat template."""
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to conversations rendered by the model's chat template
+        (``continue_final_message``: continue the last message, a reply's start, instead;
+        with ``add_generation_prompt=False``, as vLLM asks)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -75,7 +78,8 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             prompts.append({"prompt_token_ids":
-                            tokenizer.encode_chat(conversation, add_generation_prompt)})
+                            tokenizer.encode_chat(conversation, add_generation_prompt,
+                                                  continue_final_message)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

@@ -261,7 +261,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                            param="prompt")
         if req.messages is not None:
             ids = await asyncio.to_thread(render_prompt, state, req.messages,
-                                          req.add_generation_prompt, None)
+                                          req.add_generation_prompt, None, None,
+                                          req.continue_final_message)
         elif engine.tokenizer is None:
             raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")
         elif req.prompt is not None:

@@ -90,7 +90,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                   template_kwargs: dict[str, Any] | None,
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+                  tools: list[dict[str, Any]] | None = None,
+                  continue_final_message: bool = False) -> list[int]:
     """Token ids of the rendered conversation (the template adds any special tokens).
 
     Whatever is wrong with the messages (the template refuses them, the text is not valid
@@ -110,7 +111,8 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
     if tools and native:
         kwargs["tools"] = tools
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt, **kwargs)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt,
+                                             continue_final_message, **kwargs)
         state.engine.check_prompt_chars(text, _RENDERED)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False, field=_RENDERED)
     except ValueError as e:
@@ -120,12 +122,15 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
 
 def _check_request(req: ChatCompletionRequest) -> int | None:
     """The engine's logprobs count (None: no logprobs); 400 for what is not supported."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt: false (the "
+                          "final message is continued, not answered)", "continue_final_message")
     if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                               f"{req.top_logprobs}", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (as vLLM takes it)
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -136,6 +141,9 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # for the chat template (None: no tools)
     parser: HermesToolParser | None  # parses tool calls out of the output (None: text only)
     constraint: Constraint | None  # "required" or a named function: the calls' grammar
+    # Calls of a named function end with finish_reason "stop", as OpenAI's and vLLM's do;
+    # "auto" and "required" ones with "tool_calls".
+    named: bool = False
 
 
 def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
@@ -164,7 +172,8 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
                               "which is not in tools", "tool_choice")
     grammar = parser.grammar(selected, parallel=choice == "required" and req.parallel_tool_calls)
     return ToolPlan(tools, parser, Constraint(StructuredOutputsParams(grammar=grammar), "tools",
-                                              "tools (their function parameters)"))
+                                              "tools (their function parameters)"),
+                    named=isinstance(choice, NamedToolChoice))
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
@@ -186,7 +195,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
-                                  req.chat_template_kwargs, plan.tools)
+                                  req.chat_template_kwargs, plan.tools, req.continue_final_message)
     check_context(state, len(ids), max_tokens, "messages")
     request_id = f"chatcmpl-{request_id_of(raw)}"
     streams = await submit(state, [ids], params, request_id, req)
@@ -194,26 +203,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream:
         return EngineStreamingResponse(
             on_stream_error(lambda: _stream(state, request_id, streams[0], num_top,
-                                            include_usage, plan.parser), request_id_of(raw)),
+                                            include_usage, plan), request_id_of(raw)),
             streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
-    choices = [_choice(c, num_top, plan.parser) for c in final.outputs]
+    choices = [_choice(c, num_top, plan) for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                   usage=usage([final]))
 
 
-def _choice(c: CompletionOutput, num_top: int, parser: HermesToolParser | None) -> ChatChoice:
-    content, calls = parser.parse(c.text) if parser is not None else (c.text, [])
+def _choice(c: CompletionOutput, num_top: int, plan: ToolPlan) -> ChatChoice:
+    content, calls = plan.parser.parse(c.text) if plan.parser is not None else (c.text, [])
     message = AssistantMessage(content=content, tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
     return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, num_top),
-                      finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                      finish_reason=_finish_reason(c.finish_reason, bool(calls), plan.named),
                       stop_reason=c.stop_reason)
 
 
-def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    return "tool_calls" if made_calls and reason == "stop" else reason
+def _finish_reason(reason: str | None, made_calls: bool, named: bool) -> str | None:
+    return "tool_calls" if made_calls and not named and reason == "stop" else reason
 
 
 def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
@@ -223,7 +232,7 @@ def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
-                  include_usage: bool, parser: HermesToolParser | None) -> AsyncIterator[str]:
+                  include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
     created = int(time.time())
     choices: dict[int, _ChoiceStream] = {}
 
@@ -236,7 +245,8 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
         final = output
         for c in output.outputs:
             if c.index not in choices:  # the role comes first, alone (as OpenAI does)
-                choices[c.index] = _ChoiceStream(ToolCallStream(parser) if parser else None)
+                choices[c.index] = _ChoiceStream(
+                    ToolCallStream(plan.parser) if plan.parser else None, plan.named)
                 yield chunk(ChatChunkChoice(index=c.index,
                                             delta=DeltaMessage(role="assistant", content="")))
             choice = choices[c.index].next_chunk(c, num_top)
@@ -254,6 +264,7 @@ class _ChoiceStream:
     """What one choice has streamed so far."""
 
     tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)
+    named: bool  # ToolPlan.named
     text: str = ""  # the choice's text so far (the tool-call parser reads it whole)
     held: CompletionOutput | None = None  # a delta not sent (no text yet): its logprobs wait
     made_calls: bool = False
@@ -284,6 +295,7 @@ class _ChoiceStream:
                                  delta=DeltaMessage(content=delta or None,
                                                     tool_calls=calls or None),
                                  logprobs=_logprobs(c, num_top),
-                                 finish_reason=_finish_reason(c.finish_reason, self.made_calls))
+                                 finish_reason=_finish_reason(c.finish_reason, self.made_calls,
+                                                              self.named))
         self.done = finished
         return choice

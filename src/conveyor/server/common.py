@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -23,6 +24,8 @@ from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import PromptTokensDetails, Usage, _SamplingFields
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # Limits on what one request may ask for (n and logprobs are bounded by SamplingParams; the
 # number of messages by protocol.MAX_MESSAGES_PER_REQUEST).
@@ -56,6 +59,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                     structured_outputs: StructuredOutputsParams | None = None
                     ) -> SamplingParams:
     """SamplingParams from a request; ValueError (-> 400) names the bad field."""
+    check_extra_fields(req)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -76,6 +80,23 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                           include_stop_str_in_output=req.include_stop_str_in_output,
                           structured_outputs=structured_outputs,
                           output_kind=RequestOutputKind.DELTA)
+
+
+def check_extra_fields(req: _SamplingFields) -> None:
+    """A 400 naming a field of ``req.unsupported`` that asks for something; the other fields
+    this server does not know are ignored with a warning in the log, as vLLM does."""
+    extra = req.model_extra or {}
+    for name, value in extra.items():
+        if name in req.unsupported and value not in (None, req.unsupported[name], [], {}):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported by this "
+                          "server (include_usage gives the usage in a last chunk)",
+                          "stream_options")
+    if ignored := sorted(name for name in extra if name not in req.unsupported):
+        shown = ", ".join(repr(name[:40]) for name in ignored[:8])  # a client's text: escaped
+        logger.warning("request fields ignored (unknown to this server): %s%s", shown,
+                       f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
 
 
 def stream_usage(req: _SamplingFields) -> bool:

@@ -2,13 +2,15 @@
 
 Requests check only JSON types and integer ranges here (so no value can overflow a tensor);
 the sampling values themselves are validated once, by ``SamplingParams``, whose ``ValueError``
-names the field and becomes an HTTP 400. Unknown request fields are ignored, as vLLM does.
+names the field and becomes an HTTP 400. Unknown request fields are ignored with a warning in
+the log, as vLLM does, except the fields of vLLM's or OpenAI's API that would change the output
+and that this server does not implement (``unsupported``): those are a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +24,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = True  # as vLLM takes stream_options: {} (OpenAI's clients send it)
+    continuous_usage_stats: bool = False  # vLLM's; not supported: must be false
 
 
 class JsonSchemaFormat(_Request):
@@ -74,6 +77,21 @@ class NamedToolChoice(_Request):
 class _SamplingFields(_Request):
     """Fields /v1/completions and /v1/chat/completions share."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see `unsupported`
+
+    # Fields of vLLM's or OpenAI's API that would change the output and that this server
+    # does not implement, each with the value that asks for nothing: a request that sets one
+    # to anything else (or null, [], {}) is a 400 naming it, not an answer that ignored it.
+    unsupported: ClassVar[dict[str, Any]] = {
+        "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
+        "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
+        "prompt_logprobs": None, "return_tokens_as_token_ids": False,
+        "spaces_between_special_tokens": True, "structural_tag": None,
+        "guided_whitespace_pattern": None, "chat_template": None, "documents": None,
+        "functions": None, "function_call": None, "prediction": None,
+        "mm_processor_kwargs": None,
+    }
+
     model: str | None = None  # None: the served model
     n: Int64 = 1
     temperature: float | None = None  # None: 1.0
@@ -114,6 +132,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Int64 | None = None  # only best_of == n is supported
     suffix: str | None = None  # not supported
+
+    unsupported: ClassVar[dict[str, Any]] = {**_SamplingFields.unsupported,
+                                             "add_special_tokens": True}
 
 
 # OpenAI's message roles; an unknown one is a 400 that lists these.
@@ -158,10 +179,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # continue the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    unsupported: ClassVar[dict[str, Any]] = {**_SamplingFields.unsupported, "echo": False,
+                                             "best_of": 1, "add_special_tokens": False}
 
 
 class TokenizeRequest(_Request):
@@ -172,6 +197,7 @@ class TokenizeRequest(_Request):
     messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Request):

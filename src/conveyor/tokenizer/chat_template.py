@@ -69,3 +69,19 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], add_genera
         raise ValueError(f"the chat template rejected the messages: {e}") from e
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
         raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
+
+
+def open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation cut right after the final message's text, so that the model
+    continues that message (``continue_final_message``, an assistant reply's start given by
+    the user), as transformers' apply_chat_template does: the text's last occurrence of the
+    message, or of the message stripped (some templates strip what they render)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    for piece in (final, final.strip()):
+        start = text.rfind(piece)
+        if start != -1:
+            return text[:start + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not render the final "
+                     "message's text")

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.models import BPE
 
-from conveyor.tokenizer.chat_template import render_chat_template
+from conveyor.tokenizer.chat_template import open_final_message, render_chat_template
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
@@ -274,18 +274,26 @@ class Tokenizer:
         return vocab
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for a conversation, rendered with the model's own template."""
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt text for a conversation, rendered with the model's own template;
+        ``continue_final_message`` (vLLM's and transformers' name) leaves the last message
+        open for the model to continue (a reply's start written for it)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt "
                              "instead")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true")
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                     **kwargs)
+        return open_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes the special tokens)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                        **kwargs)
         return self.encode(text, add_special_tokens=False,
                            field="messages, rendered by the chat template,")
