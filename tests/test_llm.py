@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conveyor import LLM, RequestOutputKind, SamplingParams
+from conveyor import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from conveyor.outputs import RequestOutput
 
 MAX_TOKENS = 16
@@ -364,6 +364,12 @@ def test_a_request_id_may_not_take_a_samples_id(tiny_llm, kv_free) -> None:
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": [""]}, "stop"),
+    ({"logit_bias": {1: 100.5}}, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1], "structured_outputs": StructuredOutputsParams(regex="a")},
+     "allowed_token_ids"),
 ])
 def test_sampling_params_validation(kwargs, field) -> None:
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

@@ -88,6 +88,28 @@ def test_filters_that_keep_one_token_equal_greedy(tiny_llm, greedy_ids, kwargs,
     kv_free(tiny_llm)
 
 
+def test_logit_bias_and_allowed_token_ids(tiny_llm, greedy_ids, others, kv_free) -> None:
+    """OpenAI's logit_bias and vLLM's allowed_token_ids, greedy and sampled, alone and in a
+    batch with requests that use neither (whose tokens do not change)."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    banned = greedy.replace(logit_bias={greedy_ids[0]: -100})
+    assert _ids(tiny_llm, PROMPT, banned)[0] != greedy_ids[0]
+    forced = 7
+    assert _ids(tiny_llm, PROMPT, greedy.replace(logit_bias={forced: 100})) == [forced] * 16
+    allowed = (5, 9, 11)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True,
+                             allowed_token_ids=allowed)
+    outputs = tiny_llm.generate([{"prompt_token_ids": p} for p in (PROMPT, others[0], PROMPT)],
+                                [sampled, greedy, greedy.replace(allowed_token_ids=allowed)])
+    assert set(outputs[0].outputs[0].token_ids) <= set(allowed)
+    assert len(set(outputs[0].outputs[0].token_ids)) > 1  # sampled, not one forced token
+    assert outputs[1].outputs[0].token_ids == _ids(tiny_llm, others[0], greedy)
+    assert set(outputs[2].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="logit_bias"):
+        _ids(tiny_llm, PROMPT, greedy.replace(logit_bias={10**6: 1.0}))
+    kv_free(tiny_llm)
+
+
 def test_top_k_and_min_p_bound_the_sampled_token(tiny_llm, others, kv_free) -> None:
     """At temperature 1 the returned (raw) logprobs are the sampling distribution."""
     prompts = [{"prompt_token_ids": p} for p in [PROMPT, *others[:3]]]

@@ -139,6 +139,23 @@ def test_echo_multi_prompt_and_token_ids(server: ServerProcess, client: openai.O
     assert multi.usage.completion_tokens == 16
 
 
+def test_logit_bias_and_allowed_token_ids(server: ServerProcess, client: openai.OpenAI):
+    """OpenAI's logit_bias (the client's own parameter) and vLLM's allowed_token_ids."""
+    (sea,) = httpx.post(server.base_url + "/tokenize", json={"prompt": " sea"}).json()["tokens"]
+    forced = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3,
+                                       temperature=0, logit_bias={str(sea): 100})
+    assert forced.choices[0].text == " sea" * 3
+    single = client.completions.create(model=server.model, prompt=PROMPT, **GREEDY)
+    first = httpx.post(server.base_url + "/tokenize",
+                       json={"prompt": single.choices[0].text}).json()["tokens"][0]
+    banned = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1,
+                                       temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].text != single.choices[0].text[:len(banned.choices[0].text)]
+    chat = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=3,
+                                          temperature=0, extra_body={"allowed_token_ids": [sea]})
+    assert chat.choices[0].message.content == " sea" * 3
+
+
 def test_prefix_cache_reported_in_usage(server: ServerProcess, client: openai.OpenAI):
     prompt = " ".join(f"word{i}" for i in range(40))  # several full KV blocks
     client.completions.create(model=server.model, prompt=prompt, max_tokens=1)
@@ -246,7 +263,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 100}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ("/v1/completions", {"prompt": _LONG}, 400, "prompt"),

@@ -292,7 +292,7 @@ def test_duplicate_authorization_headers_are_refused(server: ServerProcess,
 
 # ---------------------------------------------------------------------- vLLM's extra fields
 @pytest.mark.parametrize("path,body,field", [
-    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["sky"]}, "bad_words"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
     ("/v1/completions", {"prompt": "Hi", "bad_words": ["sky"]}, "bad_words"),

@@ -20,6 +20,10 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 # The forms of StructuredOutputsParams (vLLM's names); exactly one is set.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -105,6 +109,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one too)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits before sampling, {token id: bias in [-100, 100]} (OpenAI's and
+    # vLLM's logit_bias: -100 bans a token, +100 all but forces it); None: no bias.
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
     # Constrain the output to a JSON Schema, regex, choice or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
     # What the engine's outputs for this request hold: a stream of deltas costs each step
@@ -125,7 +134,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
+        self._validate_token_filters()
 
     def _validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -176,6 +188,23 @@ class SamplingParams:
                "or other constraint): the grammar decides where the output ends, got "
                f"{self.min_tokens}")
 
+    def _validate_token_filters(self) -> None:
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and all(
+                _is_token_id(t) and isinstance(b, int | float) and not isinstance(b, bool)
+                and math.isfinite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias must map token ids to numbers in [-100, 100], got "
+                f"{self.logit_bias!r:.80}")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0
+                   and all(_is_token_id(t) for t in self.allowed_token_ids),
+                   "allowed_token_ids must be a non-empty list of token ids, got "
+                   f"{self.allowed_token_ids!r:.80}")
+            # Two masks on the vocabulary could leave no token at all.
+            _check(self.structured_outputs is None,
+                   "allowed_token_ids cannot be combined with structured_outputs (a "
+                   "response_format, tool_choice or other constraint)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -184,6 +213,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler changes the logits before choosing (penalties, logit_bias,
+        allowed_token_ids): a greedy row then cannot take the plain argmax."""
+        return (self.uses_penalties or self.logit_bias is not None
+                or self.allowed_token_ids is not None)
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -272,6 +272,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use{detail}")
         text, ids = self.tokenize_prompt(prompt)
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
+        self.check_token_ids(list(params.allowed_token_ids or ()), "allowed_token_ids")
         self.compile_grammar(params)
         eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
         eos = tuple(eos) or self.model_config.eos_token_ids

@@ -176,14 +176,25 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
-        """Repetition/presence/frequency penalties, and min_tokens' ban on stop tokens."""
+        """allowed_token_ids, min_tokens' ban on stop tokens, logit_bias, then the
+        repetition/presence/frequency penalties (vLLM's order)."""
         banned = [(i, ids) for i, s in enumerate(states) if (ids := s.banned_token_ids())]
-        rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
-        if not rows and not banned:
+        if not banned and not any(s.params.changes_logits for s in states):
             return logits
         logits = logits.clone()
+        for i, s in enumerate(states):
+            if s.params.allowed_token_ids is not None:
+                allowed = upload(list(s.params.allowed_token_ids), logits.device, torch.long)
+                logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(
+                    0, allowed, logits[i].index_select(0, allowed))
         for i, ids in banned:
             logits[i, ids] = float("-inf")
+        for i, s in enumerate(states):
+            if s.params.logit_bias:
+                bias = s.params.logit_bias
+                logits[i].index_add_(0, upload(list(bias), logits.device, torch.long),
+                                     upload(list(bias.values()), logits.device, logits.dtype))
+        rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
         vocab = logits.shape[-1]
         for i in rows:
             p = states[i].params
@@ -236,7 +247,7 @@ def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def _plain_greedy(state: SamplingState) -> bool:
     p = state.params
-    return (p.greedy and p.logprobs is None and not p.uses_penalties
+    return (p.greedy and p.logprobs is None and not p.changes_logits
             and not state.banned_token_ids())
 
 

@@ -60,8 +60,6 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                     ) -> SamplingParams:
     """SamplingParams from a request; ValueError (-> 400) names the bad field."""
     check_extra_fields(req)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
@@ -71,7 +69,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "min_p": req.min_p, "seed": req.seed, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
-        "stop_token_ids": req.stop_token_ids,
+        "stop_token_ids": req.stop_token_ids, "logit_bias": _token_bias(req.logit_bias),
+        "allowed_token_ids": req.allowed_token_ids,
     }
     values = {k: v for k, v in values.items() if v is not None}
     return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),
@@ -80,6 +79,17 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                           include_stop_str_in_output=req.include_stop_str_in_output,
                           structured_outputs=structured_outputs,
                           output_kind=RequestOutputKind.DELTA)
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings; None when empty."""
+    if not logit_bias:
+        return None
+    try:
+        return {int(token): bias for token, bias in logit_bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers, as strings), got "
+                          f"{list(logit_bias)!r:.80}", "logit_bias") from None
 
 
 def check_extra_fields(req: _SamplingFields) -> None:

@@ -32,7 +32,8 @@ _PARAM_NAMES = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
     "logprobs", "top_logprobs", "prompt", "messages", "prompt_token_ids", "tokens", "model",
-    "structured_outputs", "response_format", "tools", "tool_choice",
+    "structured_outputs", "response_format", "tools", "tool_choice", "logit_bias",
+    "allowed_token_ids",
 })
 
 
