@@ -82,14 +82,15 @@ def test_an_id_reused_after_an_abort_does_not_take_the_old_requests_token() -> N
 # ---------------------------------------------------------------- the engine
 # Every sampling parameter whose state lives in the runner between steps (penalties and
 # min_tokens see the tokens so far, a seeded request its generator, a grammar its matcher),
-# stop strings and n > 1 (the engine's), logprobs.
+# bad words read them on the host), stop strings and n > 1 (the engine's), logprobs.
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=40),
     SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40),
     SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=40),
     SamplingParams(temperature=0, logprobs=2, max_tokens=24),
     SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=30),
-    SamplingParams(temperature=0, stop=["."], max_tokens=60),
+    SamplingParams(temperature=0, stop=["."], bad_words=["the", "of colors"],
+                   logit_bias={13: 2.0}, max_tokens=60),
     SamplingParams(temperature=0, min_tokens=12, max_tokens=16),
     SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
         json={"type": "object", "properties": {"name": {"type": "string"},
@@ -130,6 +131,20 @@ def test_async_scheduling_gives_the_synchronous_outputs(engines, kv_free) -> Non
         kv_free(llm)
     # the small cache preempted running requests (their tokens in flight, with async)
     assert engines["async"].stats().num_preemptions > 0
+
+
+def test_bad_words_see_the_token_still_on_the_device(engines, kv_free) -> None:
+    """A two-token bad word's last token is banned right after its first: with async
+    scheduling that first token is the one the launched step has not returned yet."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (free,) = engines["sync"].generate("The sky is", greedy)
+    assert " of colors" in free.outputs[0].text  # the premise: greedy writes the word
+    banned = greedy.replace(bad_words=["of colors"])
+    outputs = {name: llm.generate("The sky is", banned)[0].outputs[0].text
+               for name, llm in engines.items()}
+    assert outputs["async"] == outputs["sync"] and "of colors" not in outputs["sync"]
+    for llm in engines.values():
+        kv_free(llm)
 
 
 def test_swap_preemption_with_async_scheduling(engines, kv_free) -> None:

@@ -227,6 +227,22 @@ def test_min_tokens_holds_back_stop_strings(default_llm, default_greedy, kv_free
     kv_free(default_llm)
 
 
+def test_bad_words(default_llm, default_greedy, kv_free) -> None:
+    """vLLM's bad_words: a one-token word is never chosen; a longer one loses its last
+    token wherever the output ends with the tokens before it."""
+    ids, text = default_greedy
+    assert text.startswith(" a canvas of colors,")  # the premise
+    for words, kept in ((["canvas"], " a"), (["of colors"], " a canvas of")):
+        (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, bad_words=words))
+        completion = out.outputs[0].text
+        assert completion.startswith(kept) and not completion.startswith(text[:len(kept) + 3])
+        assert all(word not in completion for word in words), completion
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+    kv_free(default_llm)
+
+
 def test_stop_string_included_on_request(default_llm, default_greedy, kv_free) -> None:
     ids, text = default_greedy
     stop = text[5:9]

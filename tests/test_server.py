@@ -139,12 +139,17 @@ def test_echo_multi_prompt_and_token_ids(server: ServerProcess, client: openai.O
     assert multi.usage.completion_tokens == 16
 
 
-def test_logit_bias_and_allowed_token_ids(server: ServerProcess, client: openai.OpenAI):
-    """OpenAI's logit_bias (the client's own parameter) and vLLM's allowed_token_ids."""
+def test_logit_bias_allowed_token_ids_bad_words(server: ServerProcess, client: openai.OpenAI):
+    """OpenAI's logit_bias (the client's own parameter), vLLM's allowed_token_ids and
+    bad_words."""
     (sea,) = httpx.post(server.base_url + "/tokenize", json={"prompt": " sea"}).json()["tokens"]
     forced = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3,
                                        temperature=0, logit_bias={str(sea): 100})
     assert forced.choices[0].text == " sea" * 3
+    unforced = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3,
+                                         temperature=0, logit_bias={str(sea): 100},
+                                         extra_body={"bad_words": ["sea"]})  # a ban wins
+    assert "sea" not in unforced.choices[0].text
     single = client.completions.create(model=server.model, prompt=PROMPT, **GREEDY)
     first = httpx.post(server.base_url + "/tokenize",
                        json={"prompt": single.choices[0].text}).json()["tokens"][0]

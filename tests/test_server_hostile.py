@@ -292,10 +292,10 @@ def test_duplicate_authorization_headers_are_refused(server: ServerProcess,
 
 # ---------------------------------------------------------------------- vLLM's extra fields
 @pytest.mark.parametrize("path,body,field", [
-    ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["sky"]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
-    ("/v1/completions", {"prompt": "Hi", "bad_words": ["sky"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "Hi", "add_special_tokens": False}, "add_special_tokens"),
     ("/v1/completions", {"prompt": "Hi", "stream": True,
                          "stream_options": {"continuous_usage_stats": True}}, "stream_options"),

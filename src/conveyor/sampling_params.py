@@ -114,6 +114,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Words the output may not contain (vLLM's bad_words): a word's tokens, written with and
+    # without a leading space, are banned as a sequence (its last token, once the ones before
+    # it were generated).
+    bad_words: tuple[str, ...] = ()
+    # bad_words as token sequences: the engine fills them in from its tokenizer.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Constrain the output to a JSON Schema, regex, choice or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
     # What the engine's outputs for this request hold: a stream of deltas costs each step
@@ -136,6 +142,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         self._validate()
         self._validate_token_filters()
 
@@ -189,6 +196,8 @@ class SamplingParams:
                f"{self.min_tokens}")
 
     def _validate_token_filters(self) -> None:
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be words (non-blank strings), got {self.bad_words!r:.80}")
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict) and all(
                 _is_token_id(t) and isinstance(b, int | float) and not isinstance(b, bool)

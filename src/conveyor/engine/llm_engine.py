@@ -274,6 +274,8 @@ class LLMEngine:
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
         self.check_token_ids(list(params.allowed_token_ids or ()), "allowed_token_ids")
+        if params.bad_words:
+            params = params.replace(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.compile_grammar(params)
         eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
         eos = tuple(eos) or self.model_config.eos_token_ids
@@ -299,6 +301,22 @@ class LLMEngine:
             self.scheduler.add_request(r)
         self.num_prompt_tokens += len(ids)
         return request_id
+
+    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as it begins a text and, where that is another token
+        sequence of the same length, as it follows a space (vLLM's rule)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a model with a tokenizer")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False,
+                                               field="bad_words"))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False,
+                                                 field="bad_words"))
+            sequences.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     def compile_grammar(self, params: SamplingParams, count: bool = True) -> None:
         """Compile (or find cached) the request's constraint; GrammarError (a ValueError)

@@ -288,13 +288,14 @@ class ModelRunner:
 
     def _take_results_needed(self, out: SchedulerOutput) -> None:
         """Take the result of a launched step now if this one needs its tokens on the host:
-        a grammar mask depends on the tokens so far, and a chunk or a verify lays its tokens
-        out on the host."""
+        a grammar mask and bad words depend on the tokens so far, and a chunk or a verify
+        lays its tokens out on the host."""
         for s in out.scheduled:
             entry = self._pending.get(s.request_id)
             if entry is None:
                 continue
-            if s.num_new_tokens > 1 or s.num_spec_tokens or s.request_id in self.matchers:
+            if s.num_new_tokens > 1 or s.num_spec_tokens or s.request_id in self.matchers \
+                    or self.states[s.request_id].params.bad_words_token_ids:
                 entry[0].result()
 
     def _pending_token(self, request_id: str) -> torch.Tensor:

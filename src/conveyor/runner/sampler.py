@@ -69,11 +69,16 @@ class SamplingState:
         return torch.cat([ids, self.pending_token_ids.to(device, torch.long)])
 
     def banned_token_ids(self) -> list[int]:
-        """Tokens that would stop the request before min_tokens: masked until then."""
-        if self.num_output_tokens >= self.params.min_tokens:
-            return []
-        eos = () if self.params.ignore_eos else self.eos_token_ids
-        return [*eos, *self.params.stop_token_ids]
+        """Tokens masked for the next choice: those that would stop the request before
+        min_tokens, and each bad word's last token once the output ends with the tokens
+        before it (its only token, always). Bad words read the outputs on the host: the
+        runner takes a launched step's result before such a request's next step."""
+        banned = [seq[-1] for seq in self.params.bad_words_token_ids
+                  if len(seq) == 1 or tuple(self.output_token_ids[1 - len(seq):]) == seq[:-1]]
+        if self.num_output_tokens < self.params.min_tokens:
+            eos = () if self.params.ignore_eos else self.eos_token_ids
+            banned += [*eos, *self.params.stop_token_ids]
+        return banned
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -61,16 +61,17 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
     """SamplingParams from a request; ValueError (-> 400) names the bad field."""
     check_extra_fields(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
-                          "stop")
+    for name, strings in (("stop", stop), ("bad_words", req.bad_words or [])):
+        if len(strings) > MAX_STOP_STRINGS:
+            raise bad_request(f"{name} may hold at most {MAX_STOP_STRINGS} strings, got "
+                              f"{len(strings)}", name)
     values: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "seed": req.seed, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "logit_bias": _token_bias(req.logit_bias),
-        "allowed_token_ids": req.allowed_token_ids,
+        "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
     }
     values = {k: v for k, v in values.items() if v is not None}
     return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),

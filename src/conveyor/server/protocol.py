@@ -83,7 +83,7 @@ class _SamplingFields(_Request):
     # does not implement, each with the value that asks for nothing: a request that sets one
     # to anything else (or null, [], {}) is a 400 naming it, not an answer that ignored it.
     unsupported: ClassVar[dict[str, Any]] = {
-        "bad_words": None, "logits_processors": None,
+        "logits_processors": None,
         "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
         "prompt_logprobs": None, "return_tokens_as_token_ids": False,
         "spaces_between_special_tokens": True, "structural_tag": None,
@@ -114,6 +114,7 @@ class _SamplingFields(_Request):
     priority: Int64 = 0  # lower is more urgent (vLLM's convention); policies use it
     logit_bias: dict[str, float] | None = None  # {token id as a string: bias}
     allowed_token_ids: list[TokenId] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (at most one of them per request; see server/structured.py)
     response_format: ResponseFormat | None = None
