@@ -161,6 +161,29 @@ def test_logit_bias_allowed_token_ids_bad_words(server: ServerProcess, client: o
     assert chat.choices[0].message.content == " sea" * 3
 
 
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, client: openai.OpenAI):
+    """What lm-eval-harness's loglikelihood asks of a completions server: the prompt echoed
+    with every token's logprob (the first has none), then the generated token's; with
+    max_tokens 0, the prompt alone."""
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    scored = client.completions.create(model=server.model, prompt=PROMPT, echo=True,
+                                       logprobs=2, max_tokens=1, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(token in top for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:],
+                                                  strict=True))
+    assert "".join(lp.tokens) == scored.choices[0].text and lp.text_offset[0] == 0
+    plain = client.completions.create(model=server.model, prompt=PROMPT, logprobs=2,
+                                      max_tokens=1, temperature=0)
+    assert lp.token_logprobs[-1] == plain.choices[0].logprobs.token_logprobs[0]
+    alone = client.completions.create(model=server.model, prompt=PROMPT, echo=True,
+                                      logprobs=2, max_tokens=0, temperature=0)
+    assert alone.choices[0].text == PROMPT
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+
+
 def test_prefix_cache_reported_in_usage(server: ServerProcess, client: openai.OpenAI):
     prompt = " ".join(f"word{i}" for i in range(40))  # several full KV blocks
     client.completions.create(model=server.model, prompt=prompt, max_tokens=1)
@@ -272,7 +295,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400,
+     "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ("/v1/completions", {"prompt": _LONG}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),

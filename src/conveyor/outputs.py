@@ -84,7 +84,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prompt_logprobs: None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), its logprob and
+    # the top N, as vLLM gives them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later output of the same request with ``output_kind=DELTA`` (in place:
@@ -97,6 +99,8 @@ class RequestOutput:
                 c.add(new)
         self.finished, self.metrics = delta.finished, delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:  # (the first delta that has them)
+            self.prompt_logprobs = delta.prompt_logprobs
 
     def copy(self) -> RequestOutput:
         """A copy whose outputs' lists are its own (to ``add`` deltas to)."""

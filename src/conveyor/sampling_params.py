@@ -107,6 +107,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one too)
+    # top-N logprobs per prompt token (the prompt's own token too; the first has none):
+    # RequestOutput.prompt_logprobs. Such a request computes its whole prompt (no prefix
+    # cache hits), as in vLLM.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Added to the logits before sampling, {token id: bias in [-100, 100]} (OpenAI's and
@@ -196,6 +200,10 @@ class SamplingParams:
                f"{self.min_tokens}")
 
     def _validate_token_filters(self) -> None:
+        if self.prompt_logprobs is not None:
+            _check(_is_token_id(self.prompt_logprobs) and self.prompt_logprobs <= MAX_LOGPROBS,
+                   f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                   f"{self.prompt_logprobs!r}")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
                f"bad_words must be words (non-blank strings), got {self.bad_words!r:.80}")
         if self.logit_bias is not None:

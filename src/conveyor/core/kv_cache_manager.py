@@ -78,9 +78,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks holding a prefix of the request, and how many tokens they cover.
 
-        At least one token is always left to compute: its logits give the next token.
+        At least one token is always left to compute: its logits give the next token. A
+        request asking for its prompt's logprobs computes all of it.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -112,3 +112,8 @@ class ModelRunnerOutput:
     # tokens (llguidance's canonical tokenization of the bytes it must write next; absent:
     # none). The scheduler has its next decode verify them as drafts.
     forced_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> (p, logprobs of prompt tokens p, p + 1, ...): what this step's prefill
+    # chunk predicted of its prompt (requests with prompt_logprobs; a recomputed prompt
+    # sends them again)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = \
+        field(default_factory=dict)

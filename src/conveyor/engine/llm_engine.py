@@ -19,7 +19,7 @@ from typing import Any
 
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.core.kv_cache_manager import BlockMap, KVCacheManager
-from conveyor.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.core.outputs import Logprob, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.pipeline import StepPipeline, Submitted
 from conveyor.engine.sequence import RequestGroup, Sequence
@@ -396,6 +396,10 @@ class LLMEngine:
         except Exception as error:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0
+        for request_id, (position, entries) in runner_output.prompt_logprobs.items():
+            if (entry := self._sequences.get(request_id)) is not None and entry[1].index == 0:
+                self._name_tokens(entries)
+                entry[0].add_prompt_logprobs(position, entries)
         failed = self._fail_sequences(scheduler_output, runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
         if self.step_trace is not None or self.trace_listener is not None:
@@ -500,10 +504,8 @@ class LLMEngine:
         for i, token in enumerate(new):
             self.num_generation_tokens += 1
             lp = logprobs[i] if logprobs is not None else None
-            if lp is not None and self.tokenizer is not None:
-                for token_id, entry in lp.items():
-                    entry.decoded_token = self.tokenizer.decode([token_id],
-                                                                skip_special_tokens=False)
+            if lp is not None:
+                self._name_tokens([lp])
             if seq.add_token(token, lp, last=i == len(new) - 1) is not None \
                     and not request.status.finished:
                 self.scheduler.finish_requests([request.request_id],
@@ -513,6 +515,14 @@ class LLMEngine:
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
         self._release_pending(group, seq)
+
+    def _name_tokens(self, logprobs: list[dict[int, Logprob]]) -> None:
+        """Each logprob entry's token as text (``Logprob.decoded_token``)."""
+        if self.tokenizer is None:
+            return
+        for entries in logprobs:
+            for token_id, entry in entries.items():
+                entry.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _release_pending(self, group: RequestGroup, seq: Sequence) -> None:
         """Once the first sample has its first token (or failed at it), its siblings run."""

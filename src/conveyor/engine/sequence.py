@@ -123,6 +123,27 @@ class RequestGroup:
     sequences: list[Sequence]
     # Samples 2..n wait until sample 1 has computed the prompt, then reuse its cached blocks.
     pending: list[Request] = field(default_factory=list)
+    # The logprobs of prompt tokens 1, 2, ... (params.prompt_logprobs), from sample 1's
+    # prefill chunks; whether an output (DELTA) has carried them
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, position: int, entries: list[dict[int, Logprob]]) -> None:
+        """Logprobs of prompt tokens ``position``, ``position + 1``, ...: those not held yet
+        (a recomputed prompt scores its tokens again)."""
+        have = len(self.prompt_logprobs) + 1  # the next position wanted
+        if position <= have:
+            self.prompt_logprobs.extend(entries[have - position:])
+
+    def _prompt_logprobs_out(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs (None for the first token) once complete:
+        in every output, or with DELTA outputs in the first."""
+        complete = len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
+        if self.params.prompt_logprobs is None or not complete or (
+                self.prompt_logprobs_sent and self.params.output_kind == RequestOutputKind.DELTA):
+            return None
+        self.prompt_logprobs_sent = True
+        return [None, *self.prompt_logprobs]
 
     @property
     def finished(self) -> bool:
@@ -144,4 +165,5 @@ class RequestGroup:
                              outputs=[s.output(self.params.output_kind)
                                       for s in self.sequences],
                              finished=self.finished, metrics=metrics,
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs_out())

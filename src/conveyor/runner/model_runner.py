@@ -37,7 +37,13 @@ from conveyor.ops import OpsBackend
 from conveyor.ops.reference import kv_cache_shape, tiles_as_rows
 from conveyor.ops.transfer import upload
 from conveyor.runner.cuda_graphs import SCRATCH_BLOCKS, CudaGraphRunner, CudaGraphSpec
-from conveyor.runner.sampler import Sampled, Sampler, SamplingState, make_generator
+from conveyor.runner.sampler import (
+    Sampled,
+    Sampler,
+    SamplingState,
+    make_generator,
+    token_logprobs,
+)
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
 if TYPE_CHECKING:
@@ -245,10 +251,11 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
             hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
-        if not samplers:
-            return PendingStep.done(ModelRunnerOutput({}))
-        # A sampling request's rows: its last token's, after its drafts' (a verify).
         ends = np.cumsum([s.num_new_tokens for s in batch])
+        prompt_logprobs = self._prompt_logprobs(batch, ends, hidden)
+        if not samplers:
+            return PendingStep.done(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
+        # A sampling request's rows: its last token's, after its drafts' (a verify).
         rows = [r for i, s in enumerate(batch) if s.samples
                 for r in range(int(ends[i]) - len(s.spec_token_ids) - 1, int(ends[i]))]
         if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
@@ -267,11 +274,13 @@ class ModelRunner:
             views = [st.with_pending(self._pending_token(s.request_id))
                      if s.request_id in self._pending else st
                      for s, st in zip(samplers, states, strict=True)]
-            return self._pending_step(samplers, states, self.sampler.sample(logits, views))
+            step = self._pending_step(samplers, states, self.sampler.sample(logits, views))
+            step.prompt_logprobs = prompt_logprobs
+            return step
         # Drafts to verify: the sampler decides row by row on the host
         sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = self._record(samplers, states, sampled)
-        result.draft_seconds = draft_seconds
+        result.draft_seconds, result.prompt_logprobs = draft_seconds, prompt_logprobs
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
             self.drafter.record(samplers, result)
         return PendingStep.done(result)
@@ -285,6 +294,27 @@ class ModelRunner:
         for i, s in enumerate(samplers):
             self._pending[s.request_id] = (step, i)
         return step
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], ends: np.ndarray,
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list[dict[int, Any]]]]:
+        """For the requests with prompt_logprobs whose prompt this step's chunk computes:
+        (p, the logprobs of prompt tokens p, p + 1, ...), scored by the rows before them."""
+        result: dict[str, tuple[int, list[dict[int, Any]]]] = {}
+        for i, s in enumerate(batch):
+            state = self.states.get(s.request_id)
+            if not self.sampling or state is None or state.params.prompt_logprobs is None:
+                continue
+            start = s.num_computed_tokens  # row `start` scores prompt token start + 1
+            stop = min(start + s.num_new_tokens, self.prompt_lens[s.request_id] - 1)
+            if stop <= start:
+                continue
+            first = int(ends[i]) - s.num_new_tokens
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[first:first + stop - start]).float(), dim=-1)
+            targets = self._upload(self.tokens[s.request_id][start + 1:stop + 1])
+            result[s.request_id] = (start + 1, token_logprobs(logprobs, targets,
+                                                              state.params.prompt_logprobs))
+        return result
 
     def _take_results_needed(self, out: SchedulerOutput) -> None:
         """Take the result of a launched step now if this one needs its tokens on the host:
@@ -510,6 +540,7 @@ class PendingStep:
         self.states = states  # the sampler states at launch (a reused id gets new ones)
         self.sampled = sampled
         self._output = output
+        self.prompt_logprobs: dict[str, tuple[int, list[dict[int, Any]]]] = {}
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> PendingStep:
@@ -526,4 +557,5 @@ class PendingStep:
         if self._output is None:
             assert self._runner is not None
             self._output = self._runner._finish(self)
+            self._output.prompt_logprobs = self.prompt_logprobs
         return self._output

@@ -307,6 +307,15 @@ class Sampled:
         return _unpack_logprobs(data.tolist(), self.wanted)
 
 
+def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top: int
+                   ) -> list[dict[int, Logprob]]:
+    """Each row's logprob of its token in ``tokens`` (with its rank) and the row's ``top``
+    best: prompt_logprobs, in the shape of the sampled tokens' logprobs."""
+    wanted: list[int | None] = [top] * tokens.numel()
+    entries = Sampled(tokens, wanted, _pack_logprobs(logprobs, tokens, wanted)).to_host()[1]
+    return [e for e in entries if e is not None]
+
+
 def _logprob_groups(wanted: list[int | None]) -> dict[int, list[int]]:
     """n -> the rows asking for the top n."""
     groups: dict[int, list[int]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from conveyor.core.outputs import Logprob
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput, joined
 from conveyor.sampling_params import SamplingParams
@@ -34,7 +36,12 @@ from conveyor.server.common import (
 )
 from conveyor.server.errors import request_id_of
 from conveyor.server.logprobs import completion_logprobs
-from conveyor.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from conveyor.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from conveyor.server.structured import check_constraint, request_constraint
 
 PromptInput = str | list[int]
@@ -59,9 +66,11 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does "
-                          "not compute", "echo")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise bad_request("echo with logprobs is not supported in a stream", "echo")
+    if req.max_tokens == 0 and (not req.echo or req.stream):
+        raise bad_request("max_tokens must be at least 1 (0 only with echo, not streamed: "
+                          "the prompt alone)", "max_tokens")
 
 
 @dataclass
@@ -71,6 +80,7 @@ class _Prepared:
     prompt_ids: list[list[int]]
     echo_texts: list[str] = field(default_factory=list)  # per prompt; "" without echo
     include_usage: bool = False  # a stream ends with a usage chunk
+    echo_only: bool = False  # echo with max_tokens 0: one token is generated, then dropped
 
 
 async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) -> _Prepared:
@@ -79,8 +89,11 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     include_usage = stream_usage(req)
     prompts = _prompt_list(req.prompt)
     constraint = request_constraint(req)
-    params = sampling_params(req, req.max_tokens, req.logprobs,
+    echo_only = req.echo and req.max_tokens == 0
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                              constraint.params if constraint else None)
+    if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
+        params = params.replace(prompt_logprobs=req.logprobs)
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
@@ -100,7 +113,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
                 (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "")
                 for text, ids in encoded]
     return _Prepared(f"cmpl-{request_id}", params, [ids for _, ids in encoded], echo,
-                     include_usage)
+                     include_usage, echo_only)
 
 
 async def create_completion(state: ServerState, req: CompletionRequest,
@@ -113,11 +126,25 @@ async def create_completion(state: ServerState, req: CompletionRequest,
             streams)
     finals = await unless_disconnected(raw, asyncio.gather(*(collect(s) for s in streams)),
                                        streams)
-    choices = [_choice(i * prep.params.n + c.index, c, prep.echo_texts[i] + c.text,
-                       len(prep.echo_texts[i]))
+    choices = [_whole_choice(state, prep, i, final, c)
                for i, final in enumerate(finals) for c in final.outputs]
     return CompletionResponse(id=prep.request_id, model=state.model_name, choices=choices,
                               usage=usage(finals))
+
+
+def _whole_choice(state: ServerState, prep: _Prepared, i: int, final: RequestOutput,
+                  c: CompletionOutput) -> CompletionChoice:
+    """Choice c of prompt i, not streamed: the echoed prompt (scored, when logprobs are
+    asked), then the output."""
+    echo = prep.echo_texts[i]
+    if prep.echo_only:  # the token generated to score the prompt is not part of the answer
+        c = dataclasses.replace(c, text="", token_ids=[], logprobs=c.logprobs and [],
+                                finish_reason="length")
+    choice = _choice(i * prep.params.n + c.index, c, echo + c.text, len(echo))
+    if choice.logprobs is not None and final.prompt_logprobs is not None:
+        choice.logprobs = echo_logprobs(state, final.prompt_token_ids, final.prompt_logprobs,
+                                        choice.logprobs)
+    return choice
 
 
 def _choice(index: int, c: CompletionOutput, text: str, offset: int) -> CompletionChoice:
@@ -126,6 +153,22 @@ def _choice(index: int, c: CompletionOutput, text: str, offset: int) -> Completi
         logprobs = completion_logprobs(c.token_ids, c.logprobs, offset)
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def echo_logprobs(state: ServerState, prompt_ids: list[int],
+                  prompt_logprobs: list[dict[int, Logprob] | None],
+                  generated: CompletionLogprobs) -> CompletionLogprobs:
+    """The prompt's tokens before the generated ones, as OpenAI's legacy API gives them with
+    echo: the first token unscored (null), offsets counted from the prompt's start."""
+    tokenizer = state.engine.tokenizer
+    first = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False) if tokenizer else ""
+    scored = [e for e in prompt_logprobs[1:] if e is not None]
+    prompt = completion_logprobs(prompt_ids[1:], scored, len(first))
+    return CompletionLogprobs(
+        text_offset=[0, *prompt.text_offset, *generated.text_offset],
+        token_logprobs=[None, *prompt.token_logprobs, *generated.token_logprobs],
+        tokens=[first, *prompt.tokens, *generated.tokens],
+        top_logprobs=[None, *prompt.top_logprobs, *generated.top_logprobs])
 
 
 async def _stream(state: ServerState, prep: _Prepared,

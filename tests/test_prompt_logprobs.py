@@ -1,0 +1,52 @@
+"""prompt_logprobs (vLLM's): each prompt token's logprob, rank and the top N, as transformers
+scores the prompt; computed in chunks, and never skipped by the prefix cache."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor import LLM, RequestOutputKind, SamplingParams
+
+PROMPT = [(i * 53) % 397 + 3 for i in range(45)]  # three chunks of 16 and a prefix to cache
+
+
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_tiny_model, kv_free) -> None:
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
+              max_num_batched_tokens=16, kv_cache_memory=64 * 16 * 1024)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    first = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+    with torch.inference_mode():
+        logits = hf_tiny_model(tiny_llama_dir)(torch.tensor([PROMPT])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    got = first.prompt_logprobs
+    assert got is not None and len(got) == len(PROMPT) and got[0] is None
+    for p in range(1, len(PROMPT)):
+        row, token = reference[p - 1], PROMPT[p]
+        entry = got[p]
+        assert entry is not None and abs(entry[token].logprob - float(row[token])) < 1e-4
+        assert entry[token].rank == 1 + int((row > row[token]).sum())
+        top = set(row.topk(3).indices.tolist())
+        assert top <= set(entry) <= top | {token}
+    # Again: its prompt is in the prefix cache now, and still scored whole; the same bits.
+    again = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+    assert again.prompt_logprobs == got and again.num_cached_tokens == 0
+    plain = llm.generate({"prompt_token_ids": PROMPT}, params.replace(prompt_logprobs=None))[0]
+    assert plain.prompt_logprobs is None
+    assert plain.outputs[0].token_ids == first.outputs[0].token_ids
+    kv_free(llm)
+
+
+def test_prompt_logprobs_in_the_first_delta_of_n_samples(tiny_llama_dir, kv_free) -> None:
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
+              max_num_batched_tokens=16, kv_cache_memory=64 * 16 * 1024)
+    params = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=4, ignore_eos=True,
+                            prompt_logprobs=0, output_kind=RequestOutputKind.DELTA)
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": PROMPT}, params)
+    carrying = []
+    while engine.has_unfinished_requests():
+        carrying += [o.prompt_logprobs for o in engine.step()
+                     if o.request_id == request_id and o.prompt_logprobs is not None]
+    (whole,) = carrying  # one output carries them, complete: one entry (the token) each
+    assert len(whole) == len(PROMPT) and all(len(e) == 1 for e in whole[1:])
+    kv_free(llm)
