@@ -16,11 +16,19 @@ from conveyor.cli.engine_args import add_engine_args, engine_args_from, parse_en
 _SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a request count)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = sub.add_parser("offline", help="a seeded workload through LLM.generate")
-    offline.add_argument("--num-requests", type=int, default=None,
+    offline.add_argument("--num-requests", type=positive_int, default=None,
                          help="default: the workload's (64; nano-vllm: 256)")
     offline.add_argument("--workload-seed", type=int, default=0)
     offline.add_argument("--workload", choices=("reference", "grounded", "nano-vllm"),
@@ -47,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve_cli.register(sub)
     http = sub.add_parser("http", help="the reference workload offline and through "
                           "`conveyor serve` in one run: the server's throughput cost")
-    http.add_argument("--num-requests", type=int, default=64)
+    http.add_argument("--num-requests", type=positive_int, default=64)
     http.add_argument("--workload-seed", type=int, default=0)
     http.add_argument("--json", action="store_true", help="print the JSON result only")
     http.add_argument("--result-file", default=None, help="write the JSON result here")
@@ -109,7 +117,7 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
     pair = {"type": int, "nargs": 2, "metavar": ("MIN", "MAX")}
     g = p.add_argument_group("head-of-line scenario, continuous vs static "
                              "(defaults: 64 requests, prompts 16-64, outputs 20 / 500)")
-    g.add_argument("--hol-num-requests", type=int)
+    g.add_argument("--hol-num-requests", type=positive_int)
     g.add_argument("--hol-prompt-len", **pair)
     g.add_argument("--hol-short-output", type=int)
     g.add_argument("--hol-long-output", type=int)
@@ -117,7 +125,7 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--hol-max-num-seqs", type=int, default=8)
     g = p.add_argument_group("fragmentation scenario, paged vs reserve "
                              "(defaults: the 64-request reference workload of bench offline)")
-    g.add_argument("--frag-num-requests", type=int)
+    g.add_argument("--frag-num-requests", type=positive_int)
     g.add_argument("--frag-max-model-len", type=int, default=2048)
     g.add_argument("--frag-budget-seqs", type=int, default=8,
                    help="KV budget in sequences of --frag-max-model-len tokens (default: 8)")
@@ -126,7 +134,7 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--frag-long-output", type=int)
     g = p.add_argument_group("prefix-caching scenario, on vs off "
                              "(defaults: 64 requests, 500-token shared prompt)")
-    g.add_argument("--prefix-num-requests", type=int)
+    g.add_argument("--prefix-num-requests", type=positive_int)
     g.add_argument("--prefix-len", type=int, help="tokens of the shared system prompt")
     g.add_argument("--prefix-suffix-len", **pair)
     g.add_argument("--prefix-output-len", type=int)
@@ -181,7 +189,7 @@ def _register_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--roofline-batches", type=int, nargs="*", default=list(_SWEEP_BATCHES),
                    help="batch sizes of the decode-step measurement (none: skip it)")
     p.add_argument("--roofline-context-len", type=int, default=128)
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=positive_int, default=32)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[50, 300])
     p.add_argument("--short-output", type=int, nargs=2, metavar=("MIN", "MAX"),
@@ -258,7 +266,7 @@ def _register_web(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default=defaults.mode,
                    help="cost: one offline run, the live view's share of its time; ab: "
                         "alternating HTTP runs with and without a watcher")
-    p.add_argument("--num-requests", type=int, default=defaults.num_requests,
+    p.add_argument("--num-requests", type=positive_int, default=defaults.num_requests,
                    help="requests per run (cost: the head-of-line mix; ab: skewed)")
     p.add_argument("--rounds", type=int, default=defaults.rounds,
                    help="ab: pairs of runs (watched, unwatched)")

@@ -126,12 +126,18 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
     conveyor.ops.reference)."""
     cfg = model.config
 
-    def cache(num_blocks: int, device: torch.device | str, **kwargs: Any) -> torch.Tensor:
+    def cache(num_blocks: int, device: torch.device | str, setting: str,
+              **kwargs: Any) -> torch.Tensor:
         dtype, shape = kv_cache_shape(num_blocks, layout.block_size, cfg.num_key_value_heads,
                                       cfg.head_dim, layout.kv_cache_dtype,
                                       model.embed_tokens.weight.dtype, layout.tiles)
-        tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
-                             **kwargs)
+        try:
+            tensor = torch.empty(cfg.num_hidden_layers, *shape, dtype=dtype, device=device,
+                                 **kwargs)
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors included
+            size = cfg.num_hidden_layers * math.prod(shape) * dtype.itemsize
+            raise ValueError(f"{setting}: cannot allocate {size / 2**30:.2f} GiB of KV cache "
+                             f"on {device} (out of memory); lower it") from e
         # Pre-fault: write every page now. An allocator may hand out untouched pages (mmap,
         # calloc) that the OS backs only when first written, i.e. as the free list cycles
         # through the blocks under load: memory would then grow for hours and a machine
@@ -139,8 +145,8 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
         # the memory it holds, and too little fails at start.
         return tensor.zero_()
 
-    return cache(layout.num_blocks + extra_blocks, device), cache(
-        layout.num_swap_blocks, "cpu",
+    return cache(layout.num_blocks + extra_blocks, device, "kv_cache_memory"), cache(
+        layout.num_swap_blocks, "cpu", "swap_space",
         pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
 
 

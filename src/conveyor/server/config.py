@@ -9,6 +9,7 @@ from conveyor.config import _require
 from conveyor.server.tools import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class ServerConfig:
                  "max_queued_requests", ">= 1 (or unset)", self.max_queued_requests)
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", ">= 1",
                  self.max_request_body_bytes)
+        # An empty key (CONVEYOR_API_KEY="" in a compose file) would lock every client out:
+        # refused, so that no key is meant by leaving it unset.
+        _require(self.api_key is None or self.api_key.strip() != "", "api_key",
+                 "a non-empty key (or unset, also $CONVEYOR_API_KEY, for none)", self.api_key)
+        _require(self.uvicorn_log_level.lower() in UVICORN_LOG_LEVELS, "uvicorn_log_level",
+                 f"one of {', '.join(UVICORN_LOG_LEVELS)}", self.uvicorn_log_level)
         _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS,
                  "tool_call_parser", f"one of {', '.join(TOOL_PARSERS)}", self.tool_call_parser)
         for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_read_headers",

@@ -96,7 +96,16 @@ class _Inputs:
     args: argparse.Namespace
 
 
+def _check_load(rate: float, burstiness: float) -> None:
+    """As `bench serve` checks them: NaN, zero and negative rates are refused."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
+
+
 def _inputs(args: argparse.Namespace) -> _Inputs:
+    _check_load(args.request_rate, args.burstiness)
     settings = CostSettings(
         cost_model=args.cost_model, device=args.device, tp=args.tp, link=args.link,
         step_overhead_ms=args.step_overhead_ms, activation_reserve=args.activation_reserve,
@@ -167,9 +176,12 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--sweep must be NAME=V1,V2,... got {text!r}")
     if name == SWEEP_RATE:
         try:
-            return name, [float(v) for v in items]
+            rates = [float(v) for v in items]
         except ValueError:
             raise ValueError(f"--sweep request_rate takes numbers, got {raw!r}") from None
+        for rate in rates:
+            _check_load(rate, 1.0)
+        return name, rates
     if name in _SKIPPED:
         raise ValueError(f"--sweep: {name} cannot be swept in a simulation")
     return name, [parse_engine_override(f"{name}={v}")[1] for v in items]

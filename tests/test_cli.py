@@ -1,0 +1,52 @@
+"""The `conveyor` command's answers to bad input: an error naming the flag and exit status 2,
+before any work, never a traceback (what a probe of every subcommand found)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["simulate", "--request-rate", "0"], "--request-rate must be > 0"),
+    (["simulate", "--request-rate", "nan"], "--request-rate must be > 0"),
+    (["simulate", "--burstiness", "0", "--request-rate", "8"], "--burstiness must be > 0"),
+    (["simulate", "--model", "llama-3-8b", "--device", "H100-80GB", "--sweep",
+      "request_rate=0,1"], "--request-rate must be > 0"),
+    (["serve", "--api-key", ""], "api_key must be a non-empty key"),
+    (["serve", "--uvicorn-log-level", "bogus"], "uvicorn_log_level must be one of"),
+])
+def test_bad_values_name_their_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                    words: str) -> None:
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--log-level", "bogus", "plan"], "argument --log-level: invalid choice"),
+    (["bench", "offline", "--num-requests", "0"], "--num-requests: must be an integer >= 1"),
+    (["bench", "compare", "--hol-num-requests", "-4"], "must be an integer >= 1"),
+])
+def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                    words: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_the_work(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    folder, file = tmp_path / "adir", tmp_path / "afile"
+    folder.mkdir()
+    file.write_text("")
+    for argv, words in (
+            (["simulate", "--result-file", str(folder)], "is a directory, not a file"),
+            (["simulate", "--result-file", str(file / "x.json")], "cannot be written"),
+            (["simulate", "--plot-dir", str(file)], "is a file, not a folder"),
+            (["bench", "profile", "--output", str(tmp_path / "no" / "p.json")],
+             "cannot be written")):
+        assert main(argv) == 2, argv
+        assert words in capsys.readouterr().err
