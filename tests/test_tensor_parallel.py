@@ -61,10 +61,16 @@ def _workers_mirror_rank0(llm: LLM) -> None:
 
 
 def test_logprobs_and_greedy_tokens_match_tp1(tp1: LLM, tp2: LLM, kv_free: Any) -> None:
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True,
+                            prompt_logprobs=1)  # (their LM head runs on every rank too)
     want, got = tp1.generate(PROMPTS, params), tp2.generate(PROMPTS, params)
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert w.prompt_logprobs is not None and g.prompt_logprobs is not None
+        for lp_w, lp_g in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            assert lp_w is not None and lp_g is not None and lp_w.keys() == lp_g.keys()
+            assert all(abs(lp_g[t].logprob - lp.logprob) < LOGPROB_TOLERANCE
+                       for t, lp in lp_w.items())
         assert w.outputs[0].logprobs is not None and g.outputs[0].logprobs is not None
         for step_w, step_g in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert step_w.keys() == step_g.keys()  # the same top 5 at every step

@@ -308,15 +308,17 @@ class ModelRunner:
         result: dict[str, tuple[int, list[dict[int, Any]]]] = {}
         for i, s in enumerate(batch):
             state = self.states.get(s.request_id)
-            if not self.sampling or state is None or state.params.prompt_logprobs is None:
+            if state is None or state.params.prompt_logprobs is None:
                 continue
             start = s.num_computed_tokens  # row `start` scores prompt token start + 1
             stop = min(start + s.num_new_tokens, self.prompt_lens[s.request_id] - 1)
             if stop <= start:
                 continue
             first = int(ends[i]) - s.num_new_tokens
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[first:first + stop - start]).float(), dim=-1)
+            logits = self.model.compute_logits(hidden[first:first + stop - start])
+            if not self.sampling:  # (tensor parallel: the LM head's all-gather needs every
+                continue  # rank; rank 0 scores)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             targets = self._upload(self.tokens[s.request_id][start + 1:stop + 1])
             result[s.request_id] = (start + 1, token_logprobs(logprobs, targets,
                                                               state.params.prompt_logprobs))
