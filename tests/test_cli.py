@@ -3,6 +3,8 @@ before any work, never a traceback (what a probe of every subcommand found)."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,9 @@ from conveyor.cli import main
       "request_rate=0,1"], "--request-rate must be > 0"),
     (["serve", "--api-key", ""], "api_key must be a non-empty key"),
     (["serve", "--uvicorn-log-level", "bogus"], "uvicorn_log_level must be one of"),
+    (["serve", "--routing", "prefix"], "replicas (--replicas) must be set for --routing"),
+    (["serve", "--ray-address", "auto"], "replicas (--replicas) must be set"),
+    (["serve", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be"),
 ])
 def test_bad_values_name_their_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     words: str) -> None:
@@ -50,3 +55,15 @@ def test_output_paths_are_checked_before_the_work(capsys: pytest.CaptureFixture[
              "cannot be written")):
         assert main(argv) == 2, argv
         assert words in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["serve", "--port", str(port)]) == 2
+        assert time.monotonic() - started < 5  # no model was loaded
+    assert f"--port {port} on 127.0.0.1" in capsys.readouterr().err

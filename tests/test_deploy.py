@@ -117,7 +117,9 @@ def test_deploy_config_names_the_bad_field() -> None:
     with pytest.raises(ValueError, match=r"ray_address \(--ray-address\) must be 'auto'"):
         DeployConfig(ray_address="head-node")
     for address in (None, "auto", "local", "10.0.0.5:6379", "ray://head:10001"):
-        assert DeployConfig(ray_address=address).ray_address == address
+        assert DeployConfig(replicas=1, ray_address=address).ray_address == address
+    with pytest.raises(ValueError, match=r"replicas \(--replicas\) must be set"):
+        DeployConfig(routing="prefix")  # it would be ignored without replicas
 
 
 def test_a_ray_address_where_nothing_answers_names_the_flag() -> None:

@@ -51,6 +51,12 @@ class DeployConfig:
         _require(address is None or address in ("auto", "local")
                  or _RAY_ADDRESS.fullmatch(address) is not None, "ray_address (--ray-address)",
                  "'auto', 'local', 'host:port' or 'ray://host:port'", address)
+        # Replicas' settings without replicas would be silently ignored: refused.
+        _require(self.replicas is not None or (
+                     self.routing == DeployConfig.routing and self.ray_address is None
+                     and self.routing_imbalance_threshold == DeployConfig.routing_imbalance_threshold),
+                 "replicas (--replicas)", "set for --routing, --routing-imbalance-threshold "
+                 "or --ray-address", self.replicas)
 
 
 def check_ray_address_answers(address: str | None,

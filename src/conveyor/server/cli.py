@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,25 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def check_address(host: str, port: int) -> None:
+    """ValueError naming --host or --port unless the server could listen there: checked
+    before the model loads, not after (port 0, any free port, is not checked)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror or e}") from None
+    if port == 0:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--port {port} on {host}: {e.strerror or e} (another server "
+                             "there?)") from None
+
+
 def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     import uvicorn
 
@@ -115,6 +135,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     # load beside the engine loop's: with more OpenMP threads than cores libgomp stops
     # spin-waiting and every kernel call of a step waits (ops/openmp.py; the engine also
     # gives the loading thread's pool back, and a thread that ends takes its own along).
+    check_address(config.host, config.port)
     with ThreadPoolExecutor(max_workers=1) as pool:
         llm_engine = pool.submit(LLMEngine, server_engine_args(args)).result()  # logs KV capacity
     engine = AsyncEngine(llm_engine, max_queued_requests=config.max_queued_requests)
