@@ -184,6 +184,31 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, client: ope
     assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
 
 
+def test_prompt_logprobs_field(server: ServerProcess, client: openai.OpenAI):
+    """vLLM's prompt_logprobs: per prompt token (the first null) its logprob, rank and text,
+    keyed by token id; the echo's token_logprobs are the same numbers; not in a stream."""
+    url = server.base_url
+    ids = httpx.post(url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    scored = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]
+    entries = scored["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    assert [list(e) for e in entries[1:]] == [[str(t)] for t in ids[1:]]
+    echoed = client.completions.create(model=server.model, prompt=PROMPT, echo=True,
+                                       logprobs=1, max_tokens=0)
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)] == \
+        echoed.choices[0].logprobs.token_logprobs[1:]
+    chat = httpx.post(url + "/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 3 and all(c["decoded_token"] is not None for c in e.values())
+               for e in chat["prompt_logprobs"][1:])
+    streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and \
+        streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_prefix_cache_reported_in_usage(server: ServerProcess, client: openai.OpenAI):
     prompt = " ".join(f"word{i}" for i in range(40))  # several full KV blocks
     client.completions.create(model=server.model, prompt=prompt, max_tokens=1)

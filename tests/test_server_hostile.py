@@ -292,7 +292,8 @@ def test_duplicate_authorization_headers_are_refused(server: ServerProcess,
 
 # ---------------------------------------------------------------------- vLLM's extra fields
 @pytest.mark.parametrize("path,body,field", [
-    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": 8},
+     "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),

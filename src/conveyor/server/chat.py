@@ -31,7 +31,7 @@ from conveyor.server.common import (
     usage,
 )
 from conveyor.server.errors import request_id_of
-from conveyor.server.logprobs import chat_logprobs
+from conveyor.server.logprobs import chat_logprobs, prompt_logprobs
 from conveyor.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -208,7 +208,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     choices = [_choice(c, num_top, plan) for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=usage([final]))
+                                  usage=usage([final]),
+                                  prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
 
 
 def _choice(c: CompletionOutput, num_top: int, plan: ToolPlan) -> ChatChoice:

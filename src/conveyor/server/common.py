@@ -60,6 +60,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                     ) -> SamplingParams:
     """SamplingParams from a request; ValueError (-> 400) names the bad field."""
     check_extra_fields(req)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not supported in a stream", "prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     for name, strings in (("stop", stop), ("bad_words", req.bad_words or [])):
         if len(strings) > MAX_STOP_STRINGS:
@@ -72,6 +74,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "logit_bias": _token_bias(req.logit_bias),
         "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
+        "prompt_logprobs": req.prompt_logprobs,
     }
     values = {k: v for k, v in values.items() if v is not None}
     return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),

@@ -35,7 +35,7 @@ from conveyor.server.common import (
     usage,
 )
 from conveyor.server.errors import request_id_of
-from conveyor.server.logprobs import completion_logprobs
+from conveyor.server.logprobs import completion_logprobs, prompt_logprobs
 from conveyor.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -81,6 +81,7 @@ class _Prepared:
     echo_texts: list[str] = field(default_factory=list)  # per prompt; "" without echo
     include_usage: bool = False  # a stream ends with a usage chunk
     echo_only: bool = False  # echo with max_tokens 0: one token is generated, then dropped
+    prompt_logprobs: bool = False  # vLLM's field asked: each choice carries them
 
 
 async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) -> _Prepared:
@@ -93,7 +94,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                              constraint.params if constraint else None)
     if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
-        params = params.replace(prompt_logprobs=req.logprobs)
+        params = params.replace(prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
@@ -113,7 +114,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
                 (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "")
                 for text, ids in encoded]
     return _Prepared(f"cmpl-{request_id}", params, [ids for _, ids in encoded], echo,
-                     include_usage, echo_only)
+                     include_usage, echo_only, req.prompt_logprobs is not None)
 
 
 async def create_completion(state: ServerState, req: CompletionRequest,
@@ -141,9 +142,11 @@ def _whole_choice(state: ServerState, prep: _Prepared, i: int, final: RequestOut
         c = dataclasses.replace(c, text="", token_ids=[], logprobs=c.logprobs and [],
                                 finish_reason="length")
     choice = _choice(i * prep.params.n + c.index, c, echo + c.text, len(echo))
-    if choice.logprobs is not None and final.prompt_logprobs is not None:
+    if choice.logprobs is not None and final.prompt_logprobs is not None and echo:
         choice.logprobs = echo_logprobs(state, final.prompt_token_ids, final.prompt_logprobs,
                                         choice.logprobs)
+    if prep.prompt_logprobs:
+        choice.prompt_logprobs = prompt_logprobs(final.prompt_logprobs)
     return choice
 
 

@@ -33,7 +33,7 @@ _PARAM_NAMES = frozenset({
     "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
     "logprobs", "top_logprobs", "prompt", "messages", "prompt_token_ids", "tokens", "model",
     "structured_outputs", "response_format", "tools", "tool_choice", "logit_bias",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "prompt_logprobs",
 })
 
 

@@ -7,6 +7,8 @@ from conveyor.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 
@@ -49,3 +51,14 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
                                      bytes=list(_token_text(t, lp).encode("utf-8")))
                           for t, lp in top]))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs field: per prompt token (None for the first) its candidates,
+    keyed by token id (a string in JSON)."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                   decoded_token=lp.decoded_token) for t, lp in e.items()}
+            for e in entries]

@@ -85,7 +85,7 @@ class _SamplingFields(_Request):
     unsupported: ClassVar[dict[str, Any]] = {
         "logits_processors": None,
         "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
-        "prompt_logprobs": None, "return_tokens_as_token_ids": False,
+        "return_tokens_as_token_ids": False,
         "spaces_between_special_tokens": True, "structural_tag": None,
         "guided_whitespace_pattern": None, "chat_template": None, "documents": None,
         "functions": None, "function_call": None, "prediction": None,
@@ -114,6 +114,7 @@ class _SamplingFields(_Request):
     priority: Int64 = 0  # lower is more urgent (vLLM's convention); policies use it
     logit_bias: dict[str, float] | None = None  # {token id as a string: bias}
     allowed_token_ids: list[TokenId] | None = None  # vLLM's
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt's tokens scored, top N each
     bad_words: list[str] | None = None  # vLLM's
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (at most one of them per request; see server/structured.py)
@@ -236,6 +237,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
 class CompletionResponse(BaseModel):
@@ -245,6 +247,18 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One candidate of a prompt position, as vLLM's prompt_logprobs give it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (None for the first): {token id as a string: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class TopLogprob(BaseModel):
@@ -306,6 +320,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
 class DeltaMessage(BaseModel):
