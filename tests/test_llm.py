@@ -287,6 +287,14 @@ def test_prompt_longer_than_max_model_len(default_llm) -> None:
     _still_serves(default_llm)
 
 
+def test_max_model_len_past_the_models_context_is_refused(tiny_llama_dir) -> None:
+    """As vLLM: positions past the model's context have no rotary embedding, so a request
+    that long would fail mid-generation (the tiny model's context is 1024)."""
+    with pytest.raises(ValueError, match=r"max_model_len must be <= the model's context "
+                                         r"length \(1024\), got 1025"):
+        LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=1025)
+
+
 def test_lone_surrogate_is_a_value_error_naming_the_field(default_llm) -> None:
     # A JSON "\ud800" escape decodes to a lone surrogate, which the Rust tokenizer refuses
     # with a TypeError; the engine must say which field holds it, as for any bad input.
