@@ -62,6 +62,19 @@ def test_activation_reserve_in_bytes() -> None:
     plan = _plan_7b(activation_reserve=6e9)  # the "~6 GB" reading of the example
     assert plan.activation_reserve_bytes == 6e9
     assert plan.kv_tokens == int((80e9 - 6e9 - 13_476_831_232) // 524_288) == 115_438
+    for whole_device in (80e9, 100e9):  # it would read as "the weights do not fit"
+        with pytest.raises(ValueError, match=r"--activation-reserve \(\d+\.0 GB\) must be less"):
+            _plan_7b(activation_reserve=whole_device)
+    with pytest.raises(ValueError, match="--activation-reserve must be >= 0"):
+        _plan_7b(activation_reserve=float("nan"))
+
+
+@pytest.mark.parametrize("memory_gb", [float("inf"), float("nan"), -5.0, 0.0])
+def test_a_custom_device_names_the_flag_in_its_unit(memory_gb: float) -> None:
+    with pytest.raises(ValueError, match=rf"--memory-gb must be a finite number > 0, got "
+                                         rf"{memory_gb:g} "):
+        DeviceSpec(name="custom", memory_bytes=memory_gb * 1e9, bandwidth_bytes_per_s=1e11,
+                   flops_per_s=1e13)
 
 
 def test_llama2_70b_fp16_needs_two_80gb_devices() -> None:

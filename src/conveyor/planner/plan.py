@@ -78,12 +78,13 @@ class DeviceSpec:
     flops_per_s: float  # peak dense bf16/fp16 matmul throughput, FLOP/s
 
     def __post_init__(self) -> None:
-        for name, flag in (("memory_bytes", "--memory-gb"),
-                           ("bandwidth_bytes_per_s", "--bandwidth-gbs"),
-                           ("flops_per_s", "--tflops")):
+        for name, flag, unit in (("memory_bytes", "--memory-gb", 1e9),
+                                 ("bandwidth_bytes_per_s", "--bandwidth-gbs", 1e9),
+                                 ("flops_per_s", "--tflops", 1e12)):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{flag} must be > 0, got {value!r} for device {self.name!r}")
+            if not 0 < value < math.inf:  # in the flag's unit, as the user wrote it
+                raise ValueError(f"{flag} must be a finite number > 0, got {value / unit:g} "
+                                 f"for device {self.name!r}")
 
     @property
     def ops_per_byte(self) -> float:
@@ -131,13 +132,18 @@ class CapacityPlan:
 
 def reserve_bytes(device: DeviceSpec, activation_reserve: float) -> float:
     """Device memory held back from the KV cache: ``activation_reserve`` is a fraction of
-    memory below 1, else bytes; ValueError naming --activation-reserve when negative."""
-    if activation_reserve < 0:
+    memory below 1, else bytes; ValueError naming --activation-reserve when negative or
+    when it takes the whole device (the plan would blame the weights)."""
+    if not activation_reserve >= 0:
         raise ValueError(f"--activation-reserve must be >= 0, got {activation_reserve!r}")
     # Below 1 it is a fraction of device memory; from 1 up it is bytes (a 1-byte reserve is
     # not a thing anyone means, so the two ranges cannot be confused).
     if activation_reserve < 1:
         return activation_reserve * device.memory_bytes
+    if activation_reserve >= device.memory_bytes:
+        raise ValueError(f"--activation-reserve ({activation_reserve / 1e9:,.1f} GB) must be "
+                         f"less than {device.name}'s memory ({device.memory_bytes / 1e9:,.1f} "
+                         "GB)")
     return float(activation_reserve)
 
 
