@@ -243,3 +243,8 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path) -> N
     with pytest.raises(ValueError, match=r"speculative_config\.model .*vocabulary of "
                                          rf"{vocab + 8} tokens, the target model {vocab}"):
         tiny(tiny_llama_dir, other)
+
+
+def test_a_missing_draft_model_names_the_setting(tiny_llama_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"^speculative_config\.model: model path not found"):
+        tiny(tiny_llama_dir, tmp_path / "no-such-draft.gguf")

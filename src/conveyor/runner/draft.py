@@ -67,7 +67,10 @@ def load_draft_model(spec: SpeculativeConfig | None, args: EngineArgs, target: M
     if spec is None or spec.method != "draft_model":
         return None
     load_format = "dummy" if args.load_format == "dummy" else "auto"
-    checkpoint = load_checkpoint(spec.model, load_format)
+    try:
+        checkpoint = load_checkpoint(spec.model, load_format)
+    except FileNotFoundError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
     config = checkpoint.config
     _check_vocabulary(config, checkpoint.tokenizer, target, tokenizer, spec.model)
     if config.max_position_embeddings < max_model_len:
