@@ -20,6 +20,7 @@ from conveyor.cli import main
       "request_rate=0,1"], "--request-rate must be > 0"),
     (["serve", "--api-key", ""], "api_key must be a non-empty key"),
     (["serve", "--uvicorn-log-level", "bogus"], "uvicorn_log_level must be one of"),
+    (["generate", "Hi", "--system", "Be brief."], "--system needs --chat"),
     (["serve", "--routing", "prefix"], "replicas (--replicas) must be set for --routing"),
     (["serve", "--ray-address", "auto"], "replicas (--replicas) must be set"),
     (["serve", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be"),

@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from conveyor.engine.llm_engine import LLMEngine
 
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (a system message goes through the chat "
+                         "template)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
