@@ -12,7 +12,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 # Integers every request field fits in (a sampling seed must fit torch's 64-bit generator).
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -286,12 +292,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(BaseModel):
+class _Delta(BaseModel):
+    """A stream's delta: what it does not carry is left out, not sent as null (as OpenAI's
+    and vLLM's streams do: a client testing `"tool_calls" in delta` must not find None)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_Delta):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
@@ -323,7 +338,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Delta):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
