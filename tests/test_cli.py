@@ -35,6 +35,8 @@ def test_bad_values_name_their_flag(capsys: pytest.CaptureFixture[str], argv: li
     (["--log-level", "bogus", "plan"], "argument --log-level: invalid choice"),
     (["bench", "offline", "--num-requests", "0"], "--num-requests: must be an integer >= 1"),
     (["bench", "compare", "--hol-num-requests", "-4"], "must be an integer >= 1"),
+    (["bench", "compare", "--hol-prompt-len", "64", "16"], "MIN 64 is above MAX 16"),
+    (["bench", "sweep", "--roofline-context-len", "-5"], "must be an integer >= 1"),
 ])
 def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     words: str) -> None:

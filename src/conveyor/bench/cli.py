@@ -17,6 +17,17 @@ _SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 
+class LengthRange(argparse.Action):
+    """MIN MAX lengths (each positive_int): MIN may not be above MAX."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        low, high = values
+        if low > high:
+            parser.error(f"argument {option_string}: MIN {low} is above MAX {high}")
+        setattr(namespace, self.dest, values)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a request count)."""
     value = int(text)
@@ -114,30 +125,30 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scenario", choices=("hol", "fragmentation", "prefix", "all"),
                    default="all")
     p.add_argument("--workload-seed", type=int, default=0)
-    pair = {"type": int, "nargs": 2, "metavar": ("MIN", "MAX")}
+    pair = {"type": positive_int, "nargs": 2, "metavar": ("MIN", "MAX"), "action": LengthRange}
     g = p.add_argument_group("head-of-line scenario, continuous vs static "
                              "(defaults: 64 requests, prompts 16-64, outputs 20 / 500)")
     g.add_argument("--hol-num-requests", type=positive_int)
     g.add_argument("--hol-prompt-len", **pair)
-    g.add_argument("--hol-short-output", type=int)
-    g.add_argument("--hol-long-output", type=int)
-    g.add_argument("--hol-group", type=int, help="one long request in every GROUP (8)")
-    g.add_argument("--hol-max-num-seqs", type=int, default=8)
+    g.add_argument("--hol-short-output", type=positive_int)
+    g.add_argument("--hol-long-output", type=positive_int)
+    g.add_argument("--hol-group", type=positive_int, help="one long request in every GROUP (8)")
+    g.add_argument("--hol-max-num-seqs", type=positive_int, default=8)
     g = p.add_argument_group("fragmentation scenario, paged vs reserve "
                              "(defaults: the 64-request reference workload of bench offline)")
     g.add_argument("--frag-num-requests", type=positive_int)
-    g.add_argument("--frag-max-model-len", type=int, default=2048)
-    g.add_argument("--frag-budget-seqs", type=int, default=8,
+    g.add_argument("--frag-max-model-len", type=positive_int, default=2048)
+    g.add_argument("--frag-budget-seqs", type=positive_int, default=8,
                    help="KV budget in sequences of --frag-max-model-len tokens (default: 8)")
     g.add_argument("--frag-prompt-len", **pair)
     g.add_argument("--frag-short-output", **pair)
-    g.add_argument("--frag-long-output", type=int)
+    g.add_argument("--frag-long-output", type=positive_int)
     g = p.add_argument_group("prefix-caching scenario, on vs off "
                              "(defaults: 64 requests, 500-token shared prompt)")
     g.add_argument("--prefix-num-requests", type=positive_int)
-    g.add_argument("--prefix-len", type=int, help="tokens of the shared system prompt")
+    g.add_argument("--prefix-len", type=positive_int, help="tokens of the shared system prompt")
     g.add_argument("--prefix-suffix-len", **pair)
-    g.add_argument("--prefix-output-len", type=int)
+    g.add_argument("--prefix-output-len", type=positive_int)
     _add_output_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_compare_cmd)
@@ -188,13 +199,14 @@ def _register_sweep(sub: argparse._SubParsersAction) -> None:
                    help="the knee: doubling the batch buys less than this share of throughput")
     p.add_argument("--roofline-batches", type=int, nargs="*", default=list(_SWEEP_BATCHES),
                    help="batch sizes of the decode-step measurement (none: skip it)")
-    p.add_argument("--roofline-context-len", type=int, default=128)
+    p.add_argument("--roofline-context-len", type=positive_int, default=128)
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[50, 300])
-    p.add_argument("--short-output", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   default=[16, 64])
-    p.add_argument("--long-output", type=int, default=256)
+    p.add_argument("--prompt-len", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
+                   default=[50, 300], action=LengthRange)
+    p.add_argument("--short-output", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
+                   default=[16, 64], action=LengthRange)
+    p.add_argument("--long-output", type=positive_int, default=256)
     _add_output_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_sweep_cmd)
@@ -273,7 +285,7 @@ def _register_web(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watcher", choices=WATCHERS, default=defaults.watcher,
                    help="ab: events: a client reading /v1/engine/events; page: the page itself "
                         "in headless chromium (Playwright)")
-    p.add_argument("--long-output", type=int, default=defaults.long_output,
+    p.add_argument("--long-output", type=positive_int, default=defaults.long_output,
                    help="cost: output tokens of the long requests (one in eight)")
     p.add_argument("--workload-seed", type=int, default=defaults.workload_seed)
     p.add_argument("--json", action="store_true", help="print the JSON result only")
