@@ -36,10 +36,11 @@ def run(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     engine = LLMEngine(engine_args_from(args))
+    if engine.tokenizer is None:  # (a dummy-weights preset, a folder without one)
+        raise ValueError("this model has no tokenizer to read the prompt with: give one with "
+                         "--tokenizer")
     prompt: str | dict = args.prompt
     if args.chat:
-        if engine.tokenizer is None:
-            raise ValueError("--chat needs a tokenizer with a chat template")
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         prompt = {"prompt_token_ids": engine.tokenizer.encode_chat(messages)}
