@@ -76,6 +76,19 @@ def test_chat_stream_matches_non_stream(server: ServerProcess, client: openai.Op
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_continuous_usage_stats(server: ServerProcess, client: openai.OpenAI):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far,
+    its completion tokens growing to the last chunk's count."""
+    for create, args in ((client.chat.completions.create, {"messages": CHAT}),
+                         (client.completions.create, {"prompt": PROMPT})):
+        chunks = list(create(model=server.model, max_tokens=8, temperature=0, stream=True,
+                             stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True}, **args))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 8 and not chunks[-1].choices
+
+
 def test_n2_and_seed_reproducible(server: ServerProcess, client: openai.OpenAI):
     kwargs = {"model": server.model, "prompt": PROMPT, "n": 2, "temperature": 1.0,
               "max_tokens": 6, "seed": 1234, "extra_body": {"ignore_eos": True}}

@@ -21,6 +21,7 @@ from conveyor.server.common import (
     check_context,
     check_model,
     collect,
+    continuous_usage,
     on_stream_error,
     sampling_params,
     sse,
@@ -203,7 +204,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream:
         return EngineStreamingResponse(
             on_stream_error(lambda: _stream(state, request_id, streams[0], num_top,
-                                            include_usage, plan), request_id_of(raw)),
+                                            include_usage, plan, continuous_usage(req)),
+                            request_id_of(raw)),
             streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     choices = [_choice(c, num_top, plan) for c in final.outputs]
@@ -233,13 +235,15 @@ def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
-                  include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
+                  include_usage: bool, plan: ToolPlan, continuous: bool = False
+                  ) -> AsyncIterator[str]:
     created = int(time.time())
     choices: dict[int, _ChoiceStream] = {}
 
     def chunk(choice: ChatChunkChoice) -> str:
+        so_far = usage([final]) if continuous and final is not None else None
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
-                                       choices=[choice]).model_dump_json())
+                                       choices=[choice], usage=so_far).model_dump_json())
 
     final = None
     async for output in stream:

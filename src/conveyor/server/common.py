@@ -103,14 +103,17 @@ def check_extra_fields(req: _SamplingFields) -> None:
     for name, value in extra.items():
         if name in req.unsupported and value not in (None, req.unsupported[name], [], {}):
             raise bad_request(f"{name} is not supported by this server", name)
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported by this "
-                          "server (include_usage gives the usage in a last chunk)",
-                          "stream_options")
     if ignored := sorted(name for name in extra if name not in req.unsupported):
         shown = ", ".join(repr(name[:40]) for name in ignored[:8])  # a client's text: escaped
         logger.warning("request fields ignored (unknown to this server): %s%s", shown,
                        f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
+
+
+def continuous_usage(req: _SamplingFields) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    the request's usage so far."""
+    return stream_usage(req) and req.stream_options is not None \
+        and req.stream_options.continuous_usage_stats
 
 
 def stream_usage(req: _SamplingFields) -> bool:

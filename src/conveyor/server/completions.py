@@ -24,6 +24,7 @@ from conveyor.server.common import (
     check_context,
     check_model,
     collect,
+    continuous_usage,
     merged,
     on_stream_error,
     sampling_params,
@@ -82,6 +83,7 @@ class _Prepared:
     include_usage: bool = False  # a stream ends with a usage chunk
     echo_only: bool = False  # echo with max_tokens 0: one token is generated, then dropped
     prompt_logprobs: bool = False  # vLLM's field asked: each choice carries them
+    continuous_usage: bool = False  # every chunk carries its prompt's usage so far
 
 
 async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) -> _Prepared:
@@ -114,7 +116,8 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
                 (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "")
                 for text, ids in encoded]
     return _Prepared(f"cmpl-{request_id}", params, [ids for _, ids in encoded], echo,
-                     include_usage, echo_only, req.prompt_logprobs is not None)
+                     include_usage, echo_only, req.prompt_logprobs is not None,
+                     continuous_usage(req))
 
 
 async def create_completion(state: ServerState, req: CompletionRequest,
@@ -184,10 +187,11 @@ async def _stream(state: ServerState, prep: _Prepared,
     held: dict[int, CompletionOutput] = {}  # deltas with no text yet (a stop string's prefix)
     finals: dict[int, RequestOutput] = {}
 
-    def chunk(choice: CompletionChoice) -> str:
+    def chunk(choice: CompletionChoice, output: RequestOutput | None = None) -> str:
+        so_far = usage([output]) if prep.continuous_usage and output is not None else None
         return sse(CompletionResponse(id=prep.request_id, created=created,
-                                      model=state.model_name,
-                                      choices=[choice]).model_dump_json())
+                                      model=state.model_name, choices=[choice],
+                                      usage=so_far).model_dump_json())
 
     for index in range(num_choices):
         echo = prep.echo_texts[index // n]
@@ -208,7 +212,7 @@ async def _stream(state: ServerState, prep: _Prepared,
             if choice.logprobs is not None:
                 offsets[index] += sum(len(t) for t in choice.logprobs.tokens)
             done[index] = c.finish_reason is not None
-            yield chunk(choice)
+            yield chunk(choice, output)
     if prep.include_usage:
         yield sse(CompletionResponse(id=prep.request_id, created=created,
                                      model=state.model_name, choices=[],

@@ -31,7 +31,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = True  # as vLLM takes stream_options: {} (OpenAI's clients send it)
-    continuous_usage_stats: bool = False  # vLLM's; not supported: must be false
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class JsonSchemaFormat(_Request):
