@@ -231,14 +231,7 @@ class ModelRunner:
         """Run one step up to its sampled tokens on the device; their copy to the host is
         started, ``result()`` waits for it (the step's one device sync)."""
         self._take_results_needed(out)
-        for request_id in out.finished_request_ids:
-            self.states.pop(request_id, None)
-            self.tokens.pop(request_id, None)
-            self.prompt_lens.pop(request_id, None)
-            self.matchers.pop(request_id, None)
-            self._pending.pop(request_id, None)
-            if self.drafter is not None:
-                self.drafter.forget(request_id)
+        self._forget(out.finished_request_ids)
         self._copy_blocks(out)
         self._add_requests(out)
         if out.is_empty:
@@ -280,9 +273,8 @@ class ModelRunner:
             views = [st.with_pending(self._pending_token(s.request_id))
                      if s.request_id in self._pending else st
                      for s, st in zip(samplers, states, strict=True)]
-            step = self._pending_step(samplers, states, self.sampler.sample(logits, views))
-            step.prompt_logprobs = prompt_logprobs
-            return step
+            return self._pending_step(samplers, states, self.sampler.sample(logits, views),
+                                      prompt_logprobs)
         # Drafts to verify: the sampler decides row by row on the host
         sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = self._record(samplers, states, sampled)
@@ -291,12 +283,25 @@ class ModelRunner:
             self.drafter.record(samplers, result)
         return PendingStep.done(result)
 
+    def _forget(self, request_ids: set[str]) -> None:
+        """Drop what the runner keeps of finished requests."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+            self.tokens.pop(request_id, None)
+            self.prompt_lens.pop(request_id, None)
+            self.matchers.pop(request_id, None)
+            self._pending.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
+
     def _pending_step(self, samplers: list[ScheduledRequest], states: list[SamplingState],
-                      sampled: Sampled) -> PendingStep:
+                      sampled: Sampled, prompt_logprobs: dict[str, Any]) -> PendingStep:
         """A step's one token per request, on the device: the next step may read them there
-        (``_prepare``) before ``result()`` brings them to the host."""
+        (``_prepare``) before ``result()`` brings them to the host (with the step's prompt
+        logprobs, computed already)."""
         sampled.start_copy()
         step = PendingStep(self, samplers, states, sampled)
+        step.prompt_logprobs = prompt_logprobs
         for i, s in enumerate(samplers):
             self._pending[s.request_id] = (step, i)
         return step
