@@ -6,11 +6,14 @@ from __future__ import annotations
 import torch
 
 from conveyor import LLM, RequestOutputKind, SamplingParams
+from conveyor.runner import model_runner
 
 PROMPT = [(i * 53) % 397 + 3 for i in range(45)]  # three chunks of 16 and a prefix to cache
 
 
-def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_tiny_model, kv_free) -> None:
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_tiny_model, kv_free,
+                                            monkeypatch) -> None:
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", 5)  # chunks scored in slices
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
               max_num_batched_tokens=16, kv_cache_memory=64 * 16 * 1024)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
@@ -49,4 +52,6 @@ def test_prompt_logprobs_in_the_first_delta_of_n_samples(tiny_llama_dir, kv_free
                      if o.request_id == request_id and o.prompt_logprobs is not None]
     (whole,) = carrying  # one output carries them, complete: one entry (the token) each
     assert len(whole) == len(PROMPT) and all(len(e) == 1 for e in whole[1:])
+    # scored once, by sample 1: the other's prompt came from the prefix cache
+    assert llm.stats().prefix_cache_hits > 0
     kv_free(llm)

@@ -218,9 +218,12 @@ def test_min_tokens_holds_back_stop_strings(default_llm, default_greedy, kv_free
     for min_tokens in (0, 3):
         held = len(tokenizer.decode(ids[:min_tokens]))
         start = text.find(stop, max(held - len(stop) + 1, 0))
+        # (a longer stop string beside it, never written, must not widen the search back
+        # into the held text)
+        stops = [stop, "x" * 20 + "never"]
         assert (start > text.find(stop)) == (min_tokens > 0)  # a later one, past the first
         (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
-            temperature=0, max_tokens=12, min_tokens=min_tokens, stop=[stop]))
+            temperature=0, max_tokens=12, min_tokens=min_tokens, stop=stops))
         completion = out.outputs[0]
         assert completion.finish_reason == "stop" and completion.text == text[:start]
         assert completion.token_ids == ids[:len(completion.token_ids)]
@@ -240,6 +243,7 @@ def test_bad_words(default_llm, default_greedy, kv_free) -> None:
         assert all(word not in completion for word in words), completion
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+    assert SamplingParams(bad_words="canvas").bad_words == ("canvas",)  # one word, as stop
     kv_free(default_llm)
 
 

@@ -193,8 +193,9 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, client: ope
     assert lp.token_logprobs[-1] == plain.choices[0].logprobs.token_logprobs[0]
     alone = client.completions.create(model=server.model, prompt=PROMPT, echo=True,
                                       logprobs=2, max_tokens=0, temperature=0)
-    assert alone.choices[0].text == PROMPT
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
     assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert lp.text_offset == sorted(lp.text_offset)  # one running total
 
 
 def test_prompt_logprobs_field(server: ServerProcess, client: openai.OpenAI):

@@ -252,8 +252,9 @@ class SchedulerConfig:
 
     def resolved(self, model_max_len: int) -> SchedulerConfig:
         """This config with max_model_len and the token budget derived where they are 0.
-        A max_model_len past the model's context is refused, as vLLM does: positions past
-        it have no rotary embedding (a request that long would fail mid-generation)."""
+        A max_model_len past the model's context (its rotary table's length) is refused, as
+        vLLM refuses one past the model's (rope-scaled) length: positions past it have no
+        rotary embedding here (a request that long would fail mid-generation)."""
         _require(self.max_model_len <= model_max_len, "max_model_len",
                  f"<= the model's context length ({model_max_len})", self.max_model_len)
         max_model_len = self.max_model_len or model_max_len

@@ -146,7 +146,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                           else tuple(self.bad_words or ()))  # one word, as stop takes one
         self._validate()
         self._validate_token_filters()
 

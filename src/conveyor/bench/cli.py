@@ -16,7 +16,6 @@ from conveyor.cli.engine_args import add_engine_args, engine_args_from, parse_en
 _SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-
 class LengthRange(argparse.Action):
     """MIN MAX lengths (each positive_int): MIN may not be above MAX."""
 
@@ -34,6 +33,7 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return value
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")

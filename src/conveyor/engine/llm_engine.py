@@ -282,8 +282,11 @@ class LLMEngine:
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
+            # (the prompt is scored once, by sample 1; the others reuse its cached blocks)
+            scored = params.prompt_logprobs if i == 0 else None
             child = Request(sample_ids[i], list(ids),
-                            params.replace(n=1, seed=seed), eos_token_ids=eos,
+                            params.replace(n=1, seed=seed, prompt_logprobs=scored),
+                            eos_token_ids=eos,
                             max_model_len=self.scheduler_config.max_model_len,
                             priority=priority, user=user)
             if arrival_time is not None:
@@ -313,6 +316,8 @@ class LLMEngine:
                                                field="bad_words"))
             spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False,
                                                  field="bad_words"))
+            if not bare or not spaced:
+                raise ValueError(f"bad_words: {word!r:.40} has no tokens")
             sequences.append(bare)
             if spaced[0] != bare[0] and len(spaced) == len(bare):
                 sequences.append(spaced)
@@ -397,7 +402,8 @@ class LLMEngine:
             return self._fail_step(scheduler_output, error)
         self.num_consecutive_step_failures = 0
         for request_id, (position, entries) in runner_output.prompt_logprobs.items():
-            if (entry := self._sequences.get(request_id)) is not None and entry[1].index == 0:
+            entry = self._sequences.get(request_id)  # (not an id reused after an abort)
+            if entry is not None and self.scheduler.live_request(scheduler_output, request_id):
                 self._name_tokens(entries)
                 entry[0].add_prompt_logprobs(position, entries)
         failed = self._fail_sequences(scheduler_output, runner_output.errors)

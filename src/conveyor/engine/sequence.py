@@ -66,16 +66,16 @@ class Sequence:
     def _find_stop_string(self, params: SamplingParams, checked_len: int) -> str | None:
         """The earliest stop string ending in the text past ``checked_len``; cuts the text.
 
-        ``text[:checked_len]`` held no stop string, so a new match ends past it and starts at
-        most ``len(stop) - 1`` characters before it, however long the new text (one token can
-        decode to 20+ characters: newline plus indentation).
+        A match ends past ``checked_len``, so it starts at most ``len(stop) - 1`` characters
+        before it, however long the new text (one token can decode to 20+ characters:
+        newline plus indentation). ``text[:checked_len]`` held no stop string that counts:
+        none, or (within min_tokens) none to stop on, so each is searched from there alone.
         """
         if not params.stop:
             return None
-        tail_start = max(checked_len - max(len(s) for s in params.stop) + 1, 0)
         best: tuple[int, str] | None = None
         for stop in params.stop:
-            pos = self.text.find(stop, tail_start)
+            pos = self.text.find(stop, max(checked_len - len(stop) + 1, 0))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:

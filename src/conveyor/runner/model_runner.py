@@ -150,6 +150,11 @@ def allocate_kv_caches(model: CausalLM, layout: KVCacheLayout, device: torch.dev
         pin_memory=device.type == "cuda" and layout.num_swap_blocks > 0)
 
 
+# Prompt rows scored at once for prompt_logprobs: each holds the vocabulary's logits (and
+# their float32 log-softmax), so a long chunk is scored in slices.
+PROMPT_LOGPROBS_ROWS = 256
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  seed: int = 0, grammars: GrammarCompiler | None = None,
@@ -319,14 +324,17 @@ class ModelRunner:
             stop = min(start + s.num_new_tokens, self.prompt_lens[s.request_id] - 1)
             if stop <= start:
                 continue
-            first = int(ends[i]) - s.num_new_tokens
-            logits = self.model.compute_logits(hidden[first:first + stop - start])
-            if not self.sampling:  # (tensor parallel: the LM head's all-gather needs every
-                continue  # rank; rank 0 scores)
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            targets = self._upload(self.tokens[s.request_id][start + 1:stop + 1])
-            result[s.request_id] = (start + 1, token_logprobs(logprobs, targets,
-                                                              state.params.prompt_logprobs))
+            first, entries = int(ends[i]) - s.num_new_tokens - start, []
+            for lo in range(start, stop, PROMPT_LOGPROBS_ROWS):  # a vocabulary per row: slices
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, stop)
+                logits = self.model.compute_logits(hidden[first + lo:first + hi])
+                if not self.sampling:  # (tensor parallel: the LM head's all-gather needs
+                    continue  # every rank; rank 0 scores)
+                targets = self._upload(self.tokens[s.request_id][lo + 1:hi + 1])
+                entries += token_logprobs(torch.log_softmax(logits.float(), dim=-1), targets,
+                                          state.params.prompt_logprobs)
+            if self.sampling:
+                result[s.request_id] = (start + 1, entries)
         return result
 
     def _take_results_needed(self, out: SchedulerOutput) -> None:

@@ -23,7 +23,9 @@ sees one row state per row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +47,18 @@ class SamplingState:
     # Outputs sampled by a step whose results are not taken yet (async scheduling): on the
     # device, after output_token_ids
     pending_token_ids: torch.Tensor | None = None
+    # Tensors of the request's fixed parameters (allowed ids, biases), uploaded once
+    device_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict,
+                                                                repr=False)
+
+    def on_device(self, name: str, values: Iterable[Any], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        """``values`` on ``device``, uploaded at the first step that needs them and kept for
+        the others (the request's parameters do not change)."""
+        tensor = self.device_tensors.get(name)
+        if tensor is None:
+            tensor = self.device_tensors[name] = upload(list(values), device, dtype)
+        return tensor
 
     def after(self, drafts: list[int]) -> SamplingState:
         """This state as it will be once ``drafts`` are accepted (for row i of a verify)."""
@@ -187,18 +201,19 @@ class Sampler:
         if not banned and not any(s.params.changes_logits for s in states):
             return logits
         logits = logits.clone()
+        device = logits.device
         for i, s in enumerate(states):
             if s.params.allowed_token_ids is not None:
-                allowed = upload(list(s.params.allowed_token_ids), logits.device, torch.long)
+                allowed = s.on_device("allowed", s.params.allowed_token_ids, torch.long, device)
                 logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(
                     0, allowed, logits[i].index_select(0, allowed))
         for i, ids in banned:
             logits[i, ids] = float("-inf")
         for i, s in enumerate(states):
-            if s.params.logit_bias:
-                bias = s.params.logit_bias
-                logits[i].index_add_(0, upload(list(bias), logits.device, torch.long),
-                                     upload(list(bias.values()), logits.device, logits.dtype))
+            if bias := s.params.logit_bias:
+                biased = s.on_device("biased", bias.keys(), torch.long, device)
+                values = s.on_device("bias", bias.values(), torch.float32, device)
+                logits[i].index_add_(0, biased, values.to(logits.dtype))
         rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
         vocab = logits.shape[-1]
         for i in rows:

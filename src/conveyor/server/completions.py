@@ -132,8 +132,11 @@ async def create_completion(state: ServerState, req: CompletionRequest,
                                        streams)
     choices = [_whole_choice(state, prep, i, final, c)
                for i, final in enumerate(finals) for c in final.outputs]
+    counted = usage(finals)
+    if prep.echo_only:  # the token generated to score the prompt was dropped
+        counted.completion_tokens, counted.total_tokens = 0, counted.prompt_tokens
     return CompletionResponse(id=prep.request_id, model=state.model_name, choices=choices,
-                              usage=usage(finals))
+                              usage=counted)
 
 
 def _whole_choice(state: ServerState, prep: _Prepared, i: int, final: RequestOutput,
@@ -170,8 +173,12 @@ def echo_logprobs(state: ServerState, prompt_ids: list[int],
     first = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False) if tokenizer else ""
     scored = [e for e in prompt_logprobs[1:] if e is not None]
     prompt = completion_logprobs(prompt_ids[1:], scored, len(first))
+    # The generated tokens' offsets go on from the prompt tokens' texts (which may hold a
+    # BOS the echoed prompt text does not): one running total, as vLLM's.
+    end = len(first) + sum(len(t) for t in prompt.tokens)
+    shift = end - generated.text_offset[0] if generated.text_offset else 0
     return CompletionLogprobs(
-        text_offset=[0, *prompt.text_offset, *generated.text_offset],
+        text_offset=[0, *prompt.text_offset, *(o + shift for o in generated.text_offset)],
         token_logprobs=[None, *prompt.token_logprobs, *generated.token_logprobs],
         tokens=[first, *prompt.tokens, *generated.tokens],
         top_logprobs=[None, *prompt.top_logprobs, *generated.top_logprobs])
