@@ -224,6 +224,26 @@ def _both(first: StepListener, second: StepListener) -> StepListener:
     return listener
 
 
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
+    """POST /tokenize: a prompt's token ids, or chat messages' through the template."""
+    engine = state.engine
+    check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(HTTPStatus.BAD_REQUEST, "send exactly one of 'prompt' or 'messages'",
+                       param="prompt")
+    if req.messages is not None:
+        ids = await asyncio.to_thread(render_prompt, state, req.messages,
+                                      req.add_generation_prompt, None, None,
+                                      req.continue_final_message)
+    elif engine.tokenizer is None:
+        raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")
+    elif req.prompt is not None:
+        engine.check_prompt_chars(req.prompt, "prompt")  # before tokenizing megabytes
+        ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                      req.add_special_tokens, field="prompt")
+    return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
@@ -255,21 +275,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        check_model(state, req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(HTTPStatus.BAD_REQUEST, "send exactly one of 'prompt' or 'messages'",
-                           param="prompt")
-        if req.messages is not None:
-            ids = await asyncio.to_thread(render_prompt, state, req.messages,
-                                          req.add_generation_prompt, None, None,
-                                          req.continue_final_message)
-        elif engine.tokenizer is None:
-            raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")
-        elif req.prompt is not None:
-            engine.check_prompt_chars(req.prompt, "prompt")  # before tokenizing megabytes
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
-                                          req.add_special_tokens, field="prompt")
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return await _tokenize(state, req)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
