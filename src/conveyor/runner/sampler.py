@@ -189,9 +189,7 @@ class Sampler:
         if state.params.logprobs is None:
             return tokens, [None] * len(tokens)
         raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
-        drawn = upload(tokens, raw.device)
-        wanted: list[int | None] = [state.params.logprobs] * len(tokens)
-        return Sampled(drawn, wanted, _pack_logprobs(raw, drawn, wanted)).to_host()
+        return tokens, [*token_logprobs(raw, upload(tokens, raw.device), state.params.logprobs)]
 
     def _apply_penalties(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
@@ -325,7 +323,8 @@ class Sampled:
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top: int
                    ) -> list[dict[int, Logprob]]:
     """Each row's logprob of its token in ``tokens`` (with its rank) and the row's ``top``
-    best: prompt_logprobs, in the shape of the sampled tokens' logprobs."""
+    best, in the shape of the sampled tokens' logprobs (a rejection-sampled run's tokens,
+    prompt_logprobs)."""
     wanted: list[int | None] = [top] * tokens.numel()
     entries = Sampled(tokens, wanted, _pack_logprobs(logprobs, tokens, wanted)).to_host()[1]
     return [e for e in entries if e is not None]

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from conveyor.core.outputs import Logprob
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput, joined
 from conveyor.sampling_params import SamplingParams
@@ -148,9 +147,8 @@ def _whole_choice(state: ServerState, prep: _Prepared, i: int, final: RequestOut
         c = dataclasses.replace(c, text="", token_ids=[], logprobs=c.logprobs and [],
                                 finish_reason="length")
     choice = _choice(i * prep.params.n + c.index, c, echo + c.text, len(echo))
-    if choice.logprobs is not None and final.prompt_logprobs is not None and echo:
-        choice.logprobs = echo_logprobs(state, final.prompt_token_ids, final.prompt_logprobs,
-                                        choice.logprobs)
+    if c.logprobs is not None and final.prompt_logprobs is not None and echo:
+        choice.logprobs = echo_logprobs(state, final, c)
     if prep.prompt_logprobs:
         choice.prompt_logprobs = prompt_logprobs(final.prompt_logprobs)
     return choice
@@ -164,21 +162,20 @@ def _choice(index: int, c: CompletionOutput, text: str, offset: int) -> Completi
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 
-def echo_logprobs(state: ServerState, prompt_ids: list[int],
-                  prompt_logprobs: list[dict[int, Logprob] | None],
-                  generated: CompletionLogprobs) -> CompletionLogprobs:
-    """The prompt's tokens before the generated ones, as OpenAI's legacy API gives them with
-    echo: the first token unscored (null), offsets counted from the prompt's start."""
+def echo_logprobs(state: ServerState, final: RequestOutput,
+                  c: CompletionOutput) -> CompletionLogprobs:
+    """The prompt's tokens, then choice c's, as OpenAI's legacy API gives them with echo: the
+    first token unscored (null), offsets one running total from the prompt's start (over
+    the tokens' texts, which may hold a BOS the echoed prompt text does not), as vLLM's."""
     tokenizer = state.engine.tokenizer
-    first = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False) if tokenizer else ""
-    scored = [e for e in prompt_logprobs[1:] if e is not None]
-    prompt = completion_logprobs(prompt_ids[1:], scored, len(first))
-    # The generated tokens' offsets go on from the prompt tokens' texts (which may hold a
-    # BOS the echoed prompt text does not): one running total, as vLLM's.
-    end = len(first) + sum(len(t) for t in prompt.tokens)
-    shift = end - generated.text_offset[0] if generated.text_offset else 0
+    ids = final.prompt_token_ids
+    first = tokenizer.decode(ids[:1], skip_special_tokens=False) if tokenizer else ""
+    scored = [e for e in (final.prompt_logprobs or [])[1:] if e is not None]
+    prompt = completion_logprobs(ids[1:], scored, len(first))
+    generated = completion_logprobs(c.token_ids, c.logprobs or [],
+                                    len(first) + sum(len(t) for t in prompt.tokens))
     return CompletionLogprobs(
-        text_offset=[0, *prompt.text_offset, *(o + shift for o in generated.text_offset)],
+        text_offset=[0, *prompt.text_offset, *generated.text_offset],
         token_logprobs=[None, *prompt.token_logprobs, *generated.token_logprobs],
         tokens=[first, *prompt.tokens, *generated.tokens],
         top_logprobs=[None, *prompt.top_logprobs, *generated.top_logprobs])
