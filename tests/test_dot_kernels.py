@@ -1,5 +1,6 @@
 """The AVX512-BF16 kernels (CPUs without AMX): matmuls on pair tiles or GGUF blocks
-(ops/csrc/dot_linear.cpp, dot_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
+(ops/csrc/dot_linear.cpp, dot_blocks.cpp; with AVX512-VNNI, blocks with int8 inputs,
+vnni_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
 AMX tiles where the CPU has them and vdpbf16ps elsewhere).
 
 What makes the engine batch-invariant on such CPUs is tested here at the kernel level: a row's
@@ -10,8 +11,10 @@ a CPU with AVX512-BF16; elsewhere the engine runs float32 and these tests skip.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks
@@ -39,10 +42,18 @@ def test_dot_linear_is_as_close_to_float32_as_onednn(kops, out_features, in_feat
     assert (got.float() - exact).abs().max() <= 2 * onednn_error + 1e-6
 
 
+@pytest.fixture(scope="module")
+def vnni(kops):
+    if not kops.vnni_blocks_available():
+        pytest.skip("int8 inputs need a CPU with AVX512-VNNI")
+    return kops
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
-    """On blocks and on bf16 pair tiles, a row gets the same bits alone, in a decode-sized
-    batch or in a prefill-sized one (over 256 rows: two token passes)."""
+    """On blocks (bf16 or, with VNNI, int8 inputs) and on bf16 pair tiles, a row gets the same
+    bits alone, in a decode-sized batch or in a prefill-sized one (over 256 rows: two token
+    passes for the bf16 kernels, five for the int8 one)."""
     out_features, in_features = 80, 1536  # 5 row tiles: one full task of 4 and a partial one
     raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
     blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16)
@@ -50,7 +61,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, in_features, generator=gen).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
-    for w in (blocks, tiles):
+    weights = [blocks, tiles]
+    if kops.vnni_blocks_available():
+        weights.append(kops.pack_vnni_blocks(torch.from_numpy(raw), int(qtype)))
+    for w in weights:
         together = kops.dot_linear(x, w, bias)
         for start, rows in [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (40, 64), (1, 299)]:
             part = slice(start, start + rows)
@@ -78,11 +92,57 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
     assert (got - want).abs().max() <= (bf16_weights - want).abs().max()
 
 
+def _int8_inputs_product(x: torch.Tensor, raw, qtype) -> torch.Tensor:
+    """What vnni_blocks.cpp computes, spelled out in float64: each token's inputs per block of
+    32 as int8 (dx = max |x| / 127, q = round(x * (127 / max |x|)) in float32), each block's
+    sum d * dx * sum (q_w - 8) q_x (Q8_0: the int8 q_w), plus for Q4_1 (m + 8d) * sum x."""
+    blocks = raw.shape[1]
+    xf = x.float().view(x.shape[0], blocks, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    qx = torch.round(xf * inv).double()
+    dx = (amax / 127).double()
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64))
+    if qtype == GGMLQuantizationType.Q8_0:
+        qw = torch.from_numpy(raw[..., 2:].view(np.int8).astype(np.float64))
+    else:
+        nibbles = raw[..., 4 if qtype == GGMLQuantizationType.Q4_1 else 2:]
+        qw = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], -1).astype(np.float64)) - 8
+    ints = torch.einsum("mbk,nbk->mnb", qx, qw)  # exact: integers below 2^53
+    y = (ints * d[None] * dx[..., 0][:, None, :]).sum(-1)
+    if qtype == GGMLQuantizationType.Q4_1:
+        m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+        y += ((m + 8 * d)[None] * xf.double().sum(-1)[:, None, :]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_int8_inputs_are_the_blocks_product_on_8_bit_inputs(vnni, qtype, rows) -> None:
+    """With int8 inputs the product is the exact GGUF weights' against each token's inputs
+    rounded to 8 bits per block of 32 (the scheme in float64, to the output's bf16 rounding),
+    and so within the inputs' rounding of the exact float32 product."""
+    out_features, in_features = 48, 576
+    raw = random_blocks(qtype, out_features, in_features, seed=rows + 10)
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, in_features, generator=gen) * 3).to(torch.bfloat16)
+    x[0, :32] = 0  # a block of zeros: scale 0, no division by it
+    got = vnni.dot_linear(x, vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype)), None)
+    scheme = _int8_inputs_product(x, raw, qtype)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert ((got.double() - scheme).abs() <= scheme.abs() * 2**-8 + 1e-4 * scheme.abs().max()).all()
+    exact = x.float() @ torch.from_numpy(dequantize(raw.reshape(out_features, -1), qtype).copy()).T
+    error = (got.float() - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 0.02  # the inputs' rounding shows, and stays small
+
+
 def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kops.pack_dot_weight(torch.zeros(20, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kops.pack_dot_blocks(torch.zeros(20, 2, 20, dtype=torch.uint8), 3, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="pack_vnni_blocks: rows must be a multiple of 16"):
+        kops.pack_vnni_blocks(torch.zeros(20, 2, 20, dtype=torch.uint8), 3)
     with pytest.raises(RuntimeError, match="pack_dot_weight"):
         kops.dot_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                         torch.zeros(16, 64, dtype=torch.bfloat16), None)

@@ -153,6 +153,10 @@ class LoadConfig:
     quantized_matmuls: bool = setting(
         True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 weight blocks in place (the exact GGUF "
               "weights, fewer bytes than bf16/float32 copies)")
+    int8_activations: bool = setting(
+        True, "bf16 block matmuls on CPUs with AVX512-VNNI and no AMX quantize each token's "
+              "inputs to int8 per 32 (llama.cpp's way: twice the multiply-adds per "
+              "instruction); off: bf16 inputs, exact to the last bits of float32 sums")
     device: str = setting("auto", "auto, cpu or cuda")
     enforce_eager: bool = setting(
         False, "CUDA: run every step eagerly; otherwise decode-only steps replay CUDA graphs "

@@ -13,6 +13,9 @@ from conveyor.ops import cpu_kernels, reference
 # The dot kernels' block matmul against the bf16 weight's, relative to its largest output: they
 # differ by the weights' rounding to bf16 (~0.4 % each); a wrong layout differs by ~100 %.
 BLOCKS_TOLERANCE = 0.02
+# With int8 inputs the error is the inputs' rounding to 8 bits per 32 (1-2 % of the largest
+# output on random inputs for the default model's weights): the check is for a wrong layout.
+INT8_BLOCKS_TOLERANCE = 0.05
 
 
 class PackedLinear(nn.Module):
@@ -55,6 +58,7 @@ class PackedLinear(nn.Module):
                        else torch.ops.mkldnn._reorder_linear_weight(weight, 1))
         self.bias = bias
         self.blocks: torch.Tensor | None = None  # ops.pack_block_weights or pack_dot_blocks
+        self.int8_inputs = False  # the blocks are pack_vnni_blocks': inputs quantized to int8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -80,7 +84,7 @@ class PackedLinear(nn.Module):
             return self.blocks.numel()
         return self.out_features * self.in_features * self.dtype.itemsize
 
-    def use_blocks(self, raw: torch.Tensor, qtype: int) -> bool:
+    def use_blocks(self, raw: torch.Tensor, qtype: int, int8_activations: bool = False) -> bool:
         """Read this weight's GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type
         ``qtype``) where the kernels can, if they hold this weight: checked here on random
         inputs. False (and unchanged) otherwise.
@@ -90,17 +94,24 @@ class PackedLinear(nn.Module):
           oneDNN's own bits for a row change with the batch, and the kernel's do not).
         - Dot kernels (bf16 or float32): every batch, on the exact GGUF weights, so the results
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
+          With ``int8_activations`` and AVX512-VNNI, bf16 inputs are quantized to int8 per
+          block of 32 (``pack_vnni_blocks``): further from the dense results, as llama.cpp's
+          (checked close the same way).
         """
         gen = torch.Generator().manual_seed(0)
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
+        int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
+                and cpu_kernels.vnni_blocks_available())
         if self.dot:
-            blocks = cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype)
+            blocks = (cpu_kernels.pack_vnni_blocks(raw, qtype) if int8
+                      else cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype))
             for rows in (1, 5):  # both of the kernel's paths (up to 3 tokens, and more)
                 x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
                 got = cpu_kernels.dot_linear(x, blocks, self.bias).float()
                 want = self.dense(x).float()
-                if not (got - want).abs().max() <= BLOCKS_TOLERANCE * want.abs().max():
+                tolerance = INT8_BLOCKS_TOLERANCE if int8 else BLOCKS_TOLERANCE
+                if not (got - want).abs().max() <= tolerance * want.abs().max():
                     return False
         else:
             blocks = cpu_kernels.pack_block_weights(raw, qtype)
@@ -109,7 +120,7 @@ class PackedLinear(nn.Module):
                 got = cpu_kernels.quantized_linear(x, blocks, self.bias)
                 if not torch.equal(got, self.dense(x)):
                     return False
-        self.blocks = blocks
+        self.blocks, self.int8_inputs = blocks, int8
         return True
 
 

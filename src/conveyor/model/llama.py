@@ -239,14 +239,16 @@ class CausalLM(nn.Module):
                                     None)
         self._weights_changed()
 
-    def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
+    def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]],
+                          int8_activations: bool = False) -> int:
         """Give each packed matmul its weight's GGUF blocks (``Checkpoint.block_weights``),
         which the kernels then read in place (``PackedLinear.use_blocks``: small batches with
         AMX, every batch with the dot kernels). Needs bf16 weights and the C++ kernels with
         AMX or AVX512-BF16, or float32 weights and AVX2 (the backend's
         ``quantized_matmuls``); a matmul whose parts are not all
-        blocks of one supported type keeps its dense weight. Returns how many matmuls took
-        their blocks."""
+        blocks of one supported type keeps its dense weight. ``int8_activations``: with
+        AVX512-VNNI and no AMX, the bf16 block matmuls quantize their inputs to int8. Returns
+        how many matmuls took their blocks."""
         if not self.backend.quantized_matmuls:
             return 0
         parts: list[tuple[Any, list[str]]] = [
@@ -265,7 +267,7 @@ class CausalLM(nn.Module):
             if (raw.shape[0] != linear.out_features or raw.shape[1] * 32 != linear.in_features
                     or raw.shape[0] % 16):
                 continue
-            used += linear.use_blocks(raw, types.pop())
+            used += linear.use_blocks(raw, types.pop(), int8_activations)
         self._weights_changed()
         return used
 
@@ -329,13 +331,15 @@ def _expected_keys(cfg: ModelConfig, params: dict[str, nn.Parameter]) -> set[str
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
                 block_weights: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = None,
-                tp: TensorParallel | None = None) -> CausalLM:
+                tp: TensorParallel | None = None, int8_activations: bool = False) -> CausalLM:
     """The model with loaded weights, or random ones (``weights=None``: dummy load format).
 
     block_weights: the checkpoint's GGUF blocks (``Checkpoint.block_weights``), for decode
     matmuls that read them in place where this machine can (``CausalLM.use_block_weights``).
     tp: this rank's shard plan and group; ``weights`` and ``block_weights`` are then this
     rank's parts (dummy weights are drawn per rank: they differ from one rank's).
+    int8_activations: block matmuls quantize their inputs to int8 where the CPU runs that
+    (``PackedLinear.use_blocks``).
     """
     if tp is not None and tp.plan is not None:
         cfg, seed = tp.plan.local_config, seed + tp.rank
@@ -356,10 +360,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     if can_pack_linears(device, dtype):
         model.pack_linears()
         if block_weights is not None:
-            used = model.use_block_weights(block_weights())
+            used = model.use_block_weights(block_weights(), int8_activations)
             if used:
-                logger.info("%d of %d matmuls read their GGUF blocks in decode steps", used,
-                            len(model.matmul_layers()))
+                int8 = sum(getattr(m, "int8_inputs", False)
+                           for m in [*model._layer_linears(), model.lm_head])
+                logger.info("%d of %d matmuls read their GGUF blocks in decode steps%s", used,
+                            len(model.matmul_layers()),
+                            f" ({int8} with int8 inputs)" if int8 else "")
     return model
 
 
@@ -383,4 +390,5 @@ def load_model(checkpoint: Checkpoint, args: EngineArgs, device: torch.device,
     weights = None if args.load_format == "dummy" else checkpoint.tensors(plan)
     blocks = ((lambda: checkpoint.block_weights(plan))
               if args.quantized_matmuls and weights is not None else None)
-    return build_model(checkpoint.config, dtype, device, weights, args.seed, blocks, tp)
+    return build_model(checkpoint.config, dtype, device, weights, args.seed, blocks, tp,
+                       int8_activations=args.int8_activations)

@@ -15,7 +15,8 @@ extra copies; ``decode_layers`` runs every decoder layer of a decode-only step i
 (``csrc/quant_linear.cpp``: decode matmuls that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place,
 bit-identical to oneDNN on the bf16 weights); with AVX512-BF16 and no AMX
 (``dot_kernels_available``) ``dot_linear``, every matmul at every batch size, on bf16 pair
-tiles or GGUF blocks (``csrc/dot_linear.cpp``, ``csrc/dot_blocks.cpp``), and for float32 with
+tiles or GGUF blocks (``csrc/dot_linear.cpp``, ``csrc/dot_blocks.cpp``; with AVX512-VNNI
+(``vnni_blocks_available``) the blocks take int8 inputs, ``csrc/vnni_blocks.cpp``), and for float32 with
 AVX2 (``f32_kernels_available``) the same on float32 lane tiles or GGUF blocks
 (``csrc/f32_linear.cpp``); and ``prefill_attention`` with either
 (``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
@@ -37,8 +38,10 @@ from conveyor.ops.cpu_kernels import (
     f32_kernels_available,
     load_cpu_kernels,
     prefill_attention_available,
+    vnni_blocks_available,
 )
 
 __all__ = ["CpuKernelBackend", "CudaBackend", "OpsBackend", "ReferenceBackend",
            "amx_available", "dot_kernels_available", "f32_kernels_available",
-           "load_cpu_kernels", "prefill_attention_available", "select_backend"]
+           "load_cpu_kernels", "prefill_attention_available", "select_backend",
+           "vnni_blocks_available"]

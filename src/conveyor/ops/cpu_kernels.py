@@ -116,6 +116,14 @@ def dot_kernels_available() -> bool:
 
 
 @functools.cache
+def vnni_blocks_available() -> bool:
+    """Whether bf16 matmuls on GGUF blocks can quantize their inputs to int8
+    (``pack_vnni_blocks``, ``csrc/vnni_blocks.cpp``): the dot kernels run here and were built
+    with AVX512-VNNI."""
+    return dot_kernels_available() and bool(torch.ops.conveyor.vnni_blocks_available())
+
+
+@functools.cache
 def f32_kernels_available() -> bool:
     """Whether float32 matmuls take the AVX2 dot kernels (``dot_linear`` on float32: one
     kernel for every batch size; ``csrc/f32_linear.cpp``, on 16-lane registers with AVX-512):
@@ -220,6 +228,12 @@ def pack_dot_blocks(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.
     """GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type ``qtype``) for
     ``dot_linear`` in ``dtype``."""
     return torch.ops.conveyor.pack_dot_blocks(raw, qtype, dtype)
+
+
+def pack_vnni_blocks(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks for ``dot_linear`` on bf16 inputs quantized to int8 per block of 32 (int8
+    records: ``csrc/vnni_blocks.cpp``)."""
+    return torch.ops.conveyor.pack_vnni_blocks(raw, qtype)
 
 
 def pack_block_weights(raw: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -94,10 +94,10 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias) {
   if (x.scalar_type() == at::kFloat) return f32_linear(x, w, bias);
   TORCH_CHECK(dot_linear_available(), "dot_linear: bf16 needs a CPU with AVX512-BF16");
-  const bool blocks = w.scalar_type() == at::kByte;
+  const bool vnni = w.scalar_type() == at::kChar, blocks = vnni || w.scalar_type() == at::kByte;
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() &&
                   (blocks || (w.scalar_type() == at::kInt && w.size(2) == kGroupRows)),
-              "dot_linear: w must come from pack_dot_weight or pack_dot_blocks");
+              "dot_linear: w must come from pack_dot_weight, pack_dot_blocks or pack_vnni_blocks");
   const int64_t groups = w.size(0), n = groups * kGroupRows;
   const int64_t k = blocks ? w.size(1) * 32 : w.size(1) * 2, pairs = k / 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
@@ -106,6 +106,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor bias_f = float_bias(bias, n);
   const float* bd = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.contiguous();
+  if (vnni) return vnni_blocks_linear(xc, w, bd);
   if (blocks) return dot_blocks_linear(xc, w, bd);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
@@ -151,5 +152,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("pack_dot_blocks(Tensor raw, int type, ScalarType dtype) -> Tensor",
         &conveyor::pack_dot_blocks);
   m.def("pack_dot_weight(Tensor w) -> Tensor", &conveyor::pack_dot_weight);
+  m.def("vnni_blocks_available() -> bool", &conveyor::vnni_blocks_available);
+  m.def("pack_vnni_blocks(Tensor raw, int type) -> Tensor", &conveyor::pack_vnni_blocks);
   m.def("dot_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &conveyor::dot_linear);
 }

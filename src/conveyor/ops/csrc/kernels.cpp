@@ -5,5 +5,6 @@
 #include "quant_linear.cpp"
 #include "dot_linear.cpp"
 #include "dot_blocks.cpp"
+#include "vnni_blocks.cpp"
 #include "f32_linear.cpp"
 #include "prefill_attention.cpp"

@@ -45,6 +45,13 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
 // dot_linear's bf16 block path: x contiguous, w from pack_bf16_blocks, bias float32 [N] or null.
 at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias);
 
+// GGUF blocks with int8 activations (vnni_blocks.cpp, CPUs with AVX512-VNNI): whether it was
+// built; raw blocks -> int8 records for dot_linear; dot_linear's path for them (x contiguous
+// bf16, bias float32 [N] or null).
+bool vnni_blocks_available();
+at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type);
+at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias);
+
 // The float32 family (f32_linear.cpp): whether it was built (AVX2 and FMA); lane tiles of a
 // float32 weight [N, K] (N a multiple of 8); GGUF records; y = x W^T + b for x float32.
 bool f32_linear_available();

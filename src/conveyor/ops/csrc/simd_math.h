@@ -13,6 +13,11 @@
 #define CONVEYOR_AVX512BF16 1
 #endif
 
+// The int8-activation block matmuls (vnni_blocks.cpp) need AVX512-VNNI besides.
+#if defined(CONVEYOR_AVX512BF16) && defined(__AVX512VNNI__)
+#define CONVEYOR_VNNI 1
+#endif
+
 // The float32 kernels (f32_linear.cpp) need AVX2 with FMA, and F16C for the GGUF scales.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVEYOR_AVX2 1

@@ -1,0 +1,326 @@
+// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0) with int8 activations, for CPUs with AVX512-VNNI
+// and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs,
+// at every batch size (dot_linear.cpp dispatches here; its notes on batch invariance hold).
+//
+// A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
+// adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
+// same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
+// scale (dx = max |x| / 127, qx = round(x / dx)). A weight is d * (s - o) + m', with s its
+// stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and m' = 0 but
+// for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
+//   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
+// The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
+// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's
+// exact float32 sum of x, as the bf16 kernel does. Counting the 4-bit values from their
+// middle keeps Q4_1's two terms from being large and cancelling (its weights' m is about
+// -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights themselves.
+// Per block of 32 inputs, 16 rows and token: 8 vpdpbusd, then one conversion, one multiply
+// and one fused multiply-add (and one more for Q4_1), in the same order for an output
+// whatever the batch, tile or thread; a token's quantized inputs depend on that token
+// alone: a row's result never depends on its batch. The results differ from the bf16
+// kernel's by the inputs' rounding to 8 bits (as llama.cpp's Q8 activations do; measured in
+// docs/benchmarks.md, checked against the dense weights at load).
+//
+// Records (pack_vnni_blocks, int8 tensors), per 16 output rows and 32-input block:
+//   Q4_0, Q4_1: q[4 quad pairs][16 rows][4] bytes: input 8p + t in byte t's low nibble,
+//               8p + 4 + t in its high one; d[16] fp16 (, m[16] fp16)   = 288 (320) bytes
+//   Q8_0:       q[8 quads][16 rows][4] bytes (value + 128), d[16] fp16   = 544 bytes
+
+#include "quant_linear.h"
+
+#include "dot_tiles.h"
+#include "gguf_blocks.h"
+#include "simd_math.h"
+#include "token_passes.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace conveyor {
+namespace {
+
+constexpr int64_t kVnniPass = 64;     // most tokens per pass over a task's unpacked weights
+constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of float sums in
+                                      // registers), records are read in place
+constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
+
+constexpr int64_t vnni_scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
+// The int32 sums count the 4-bit values from their middle (q - 8, Q4_1 too: its d * q + m is
+// d * (q - 8) + (m + 8d), whose large terms would otherwise cancel after the inputs' rounding).
+constexpr int32_t vnni_offset(int64_t type) { return type == kQ8_0 ? 128 : 8; }
+
+#ifdef CONVEYOR_VNNI
+
+// A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
+// scale, the int32 sum starts (-offset * sum qx) and the exact float32 sums of x (Q4_1). The
+// tokens are the minor index, so a tile's tokens are one pointer and constant offsets.
+struct VnniCall {
+  const int32_t* q;     // [blocks * 8 quads, m]
+  const float* dx;      // [blocks, m]
+  const int32_t* init;  // [blocks, m]
+  const float* sx;      // [blocks, m]
+  int64_t m, blocks, n;
+  const float* bias;  // [n] or null
+  uint16_t* y;        // [m, n] bf16
+};
+
+// One record (16 rows, one block) as the products read it: its 8 quads (bytes of inputs
+// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1, m + 8d.
+struct Record {
+  __m512i quads[8];
+  __m512 d, mv;
+};
+
+template <int64_t Type>
+inline void unpack_record(const uint8_t* rec, Record& r) {
+  for (int64_t c = 0; c < 4; ++c) {
+    if constexpr (Type == kQ8_0) {
+      r.quads[2 * c] = _mm512_loadu_si512(rec + c * 128);
+      r.quads[2 * c + 1] = _mm512_loadu_si512(rec + c * 128 + 64);
+    } else {  // quads 2c and 2c + 1 are one 64-byte run's low and high nibbles
+      const __m512i v = _mm512_loadu_si512(rec + c * 64), mask = _mm512_set1_epi8(0x0F);
+      r.quads[2 * c] = _mm512_and_si512(v, mask);
+      r.quads[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+  }
+  const int64_t scales = vnni_scale_offset(Type);
+  r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales)));
+  r.mv = Type == kQ4_1
+      ? _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f),
+                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales + 32))))
+      : _mm512_setzero_ps();
+}
+
+// Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
+// token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
+// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
+// Every path below runs exactly this for every output and block, in block order.
+template <int64_t Type, int MR>
+inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0,
+                       __m512 (&sums)[MR]) {
+  const int32_t* xq = p.q + b * 8 * p.m + m0;  // quad c of token m0 + i: xq[c * m + i]
+  const int64_t at = b * p.m + m0;               // token m0's block b in the per-block arrays
+  __m512i dot[MR];
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c)
+    for (int i = 0; i < MR; ++i)
+      dot[i] = _mm512_dpbusd_epi32(dot[i], r.quads[c], _mm512_set1_epi32(xq[c * p.m + i]));
+  for (int i = 0; i < MR; ++i) {
+    const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
+    sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
+    if constexpr (Type == kQ4_1)
+      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
+  }
+}
+
+// y rows [m0, m0 + MR), outputs [n0, n0 + 16 * groups) from records read in place (a task's
+// groups: block 0's record at first[j], `stride` bytes to the next block; absent groups
+// point at zeros): every block in turn, the sums in registers.
+template <int64_t Type, int MR>
+void streamed_tokens(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups],
+                     int64_t stride, int64_t groups, int64_t n0, int64_t m0) {
+  __m512 sums[MR][kTaskGroups];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kTaskGroups; ++j) sums[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b)
+    for (int j = 0; j < kTaskGroups; ++j) {
+      Record r;
+      unpack_record<Type>(first[j] + b * stride, r);
+      __m512 s[MR];
+      for (int i = 0; i < MR; ++i) s[i] = sums[i][j];
+      add_record<Type, MR>(p, r, b, m0, s);
+      for (int i = 0; i < MR; ++i) sums[i][j] = s[i];
+    }
+  store_sums<MR>(sums, groups, p.bias, p.y, p.n, n0, m0);
+}
+
+// y rows [m0, m0 + MR), the 16 outputs from col: one record's blocks, unpacked (`records`,
+// in block order), the sums in registers.
+template <int64_t Type, int MR>
+void unpacked_tokens(const VnniCall& p, const Record* records, int64_t col, int64_t m0) {
+  __m512 sums[MR];
+  for (int i = 0; i < MR; ++i) sums[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) add_record<Type, MR>(p, records[b], b, m0, sums);
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col) : _mm512_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+    _mm256_storeu_si256((__m256i*)(p.y + (m0 + i) * p.n + col),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums[i], bias)));
+}
+
+// Tokens [m0, m1) against a task's records: up to kVnniStreamed tokens read them in place
+// (3 at a time); more get them unpacked once (`records`: [group][block]) and go through
+// them a record and 8 tokens at a time.
+template <int64_t Type>
+void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], int64_t stride,
+               int64_t groups, int64_t n0, int64_t m0, int64_t m1, std::vector<Record>& records) {
+  if (m1 - m0 <= kVnniStreamed) {
+    switch (m1 - m0) {
+      case 1: streamed_tokens<Type, 1>(p, first, stride, groups, n0, m0); break;
+      case 2: streamed_tokens<Type, 2>(p, first, stride, groups, n0, m0); break;
+      default: streamed_tokens<Type, 3>(p, first, stride, groups, n0, m0); break;
+    }
+    return;
+  }
+  records.resize(static_cast<size_t>(groups * p.blocks));
+  for (int64_t j = 0; j < groups; ++j)
+    for (int64_t b = 0; b < p.blocks; ++b)
+      unpack_record<Type>(first[j] + b * stride, records[j * p.blocks + b]);
+  for (int64_t j = 0; j < groups; ++j) {
+    const Record* r = records.data() + j * p.blocks;
+    const int64_t col = n0 + j * kGroupRows;
+    for (int64_t m = m0; m < m1; m += kVnniOuter) {
+      switch (std::min<int64_t>(kVnniOuter, m1 - m)) {
+        case 1: unpacked_tokens<Type, 1>(p, r, col, m); break;
+        case 2: unpacked_tokens<Type, 2>(p, r, col, m); break;
+        case 3: unpacked_tokens<Type, 3>(p, r, col, m); break;
+        case 4: unpacked_tokens<Type, 4>(p, r, col, m); break;
+        case 5: unpacked_tokens<Type, 5>(p, r, col, m); break;
+        case 6: unpacked_tokens<Type, 6>(p, r, col, m); break;
+        case 7: unpacked_tokens<Type, 7>(p, r, col, m); break;
+        default: unpacked_tokens<Type, 8>(p, r, col, m); break;
+      }
+    }
+  }
+}
+
+template <int64_t Type>
+void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
+  const int64_t record = block_format(Type).record_bytes;
+  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
+  const TokenPasses passes(m, kVnniPass);
+  std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
+  // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
+  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
+    // Kept between calls: a fresh buffer this size would be new pages, faulted in every call.
+    static thread_local std::vector<Record> records;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
+      const int64_t here = std::min(kTaskGroups, groups - first);
+      const uint8_t* starts[kTaskGroups];
+      for (int64_t j = 0; j < kTaskGroups; ++j)
+        starts[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
+      vnni_task<Type>(p, starts, record, here, first * kGroupRows, passes.begin(pass),
+                      passes.end(pass, m), records);
+    }
+  });
+}
+
+// The tokens' inputs quantized per block of 32 (see the top of the file), in VnniCall's
+// layout: the calling thread's buffers, kept between calls (grown, never shrunk) so that
+// no call writes to fresh pages.
+struct QuantizedTokens {
+  std::vector<int32_t> q, init;
+  std::vector<float> dx, sx;
+};
+
+const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, int32_t offset) {
+  const int64_t blocks = k / 32, count = m * blocks;
+  static thread_local QuantizedTokens mine;
+  QuantizedTokens& t = mine;  // the lambda below runs on other threads: not their `mine`
+  if (t.init.size() < static_cast<size_t>(count)) {
+    t.q.resize(static_cast<size_t>(count * 8));
+    t.init.resize(static_cast<size_t>(count));
+    t.dx.resize(static_cast<size_t>(count));
+    t.sx.resize(static_cast<size_t>(count));
+  }
+  at::parallel_for(0, count, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // token i / blocks, block i % blocks
+      const int64_t token = i / blocks, b = i % blocks, at = b * m + token;
+      const __m512i words = _mm512_loadu_si512(x + i * 32);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+      t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      t.dx[at] = amax / 127.f;
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+      t.init[at] = -offset * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      // Back to input order (even inputs in qlo, odd in qhi): word c = byte 2c | byte 2c + 1.
+      const __m512i bytes = _mm512_set1_epi32(0xFF);
+      const __m512i pairs = _mm512_or_si512(_mm512_and_si512(qlo, bytes),
+                                            _mm512_slli_epi32(_mm512_and_si512(qhi, bytes), 8));
+      alignas(32) int32_t quads[8];
+      _mm256_store_si256((__m256i*)quads, _mm512_cvtepi32_epi16(pairs));
+      for (int64_t c = 0; c < 8; ++c) t.q[static_cast<size_t>((b * 8 + c) * m + token)] = quads[c];
+    }
+  });
+  return t;
+}
+
+#endif  // CONVEYOR_VNNI
+
+}  // namespace
+
+bool vnni_blocks_available() {
+#ifdef CONVEYOR_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
+  const BlockFormat f = check_raw_blocks(raw, type, "pack_vnni_blocks");
+  const int64_t n = raw.size(0), kb = raw.size(1);
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::zeros({n / kGroupRows, kb, f.record_bytes}, raw.options().dtype(at::kChar));
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
+  const int64_t scales = vnni_scale_offset(type);
+  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < kb; ++b) {
+        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
+        for (int64_t i = 0; i < kGroupRows; ++i) {
+          const uint8_t* blk = r + ((t * kGroupRows + i) * kb + b) * f.block_bytes;
+          std::memcpy(rec + scales + i * 2, blk, 2);                             // d
+          if (type == kQ4_1) std::memcpy(rec + scales + 32 + i * 2, blk + 2, 2);  // m
+          const uint8_t* qs = blk + q_offset;
+          if (type == kQ8_0) {
+            for (int64_t j = 0; j < 32; ++j)  // quad j / 4, row i, byte j % 4
+              rec[((j / 4) * kGroupRows + i) * 4 + j % 4] = static_cast<uint8_t>(qs[j] ^ 0x80);
+            continue;
+          }
+          // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
+          auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
+          for (int64_t p = 0; p < 4; ++p)
+            for (int64_t t4 = 0; t4 < 4; ++t4)
+              rec[(p * kGroupRows + i) * 4 + t4] =
+                  static_cast<uint8_t>(nibble(8 * p + t4) | (nibble(8 * p + 4 + t4) << 4));
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
+  const int64_t type = type_of_record(w.size(2), "dot_linear");
+  const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+#ifdef CONVEYOR_VNNI
+  const at::Tensor xc = x.contiguous();
+  const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const QuantizedTokens& t = quantize_tokens(xd, m, blocks * 32, vnni_offset(type));
+  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), m, blocks, n, bias,
+                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
+  const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
+  switch (type) {
+    case kQ4_0: vnni_run<kQ4_0>(p, wd, groups, m); break;
+    case kQ4_1: vnni_run<kQ4_1>(p, wd, groups, m); break;
+    default: vnni_run<kQ8_0>(p, wd, groups, m); break;
+  }
+#else
+  TORCH_CHECK(false, "dot_linear: int8 block records need a CPU with AVX512-VNNI");
+#endif
+  return y;
+}
+
+}  // namespace conveyor
