@@ -254,38 +254,19 @@ std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
 }  // namespace
 
 at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type) {
-  const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
-  const int64_t n = raw.size(0), kb = raw.size(1);
-  const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kGroupRows, kb, f.record_bytes}, raw.options());
-  const uint8_t* r = src.data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
-  const int64_t scales = scale_offset(type);
-  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < kb; ++b) {
-        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
-        for (int64_t i = 0; i < kGroupRows; ++i) {
-          const uint8_t* blk = r + ((t * kGroupRows + i) * kb + b) * f.block_bytes;
-          std::memcpy(rec + scales + i * 2, blk, 2);                             // d
-          if (type == kQ4_1) std::memcpy(rec + scales + 32 + i * 2, blk + 2, 2);  // m
-          const uint8_t* qs = blk + q_offset;
-          for (int64_t c = 0; c < 16; ++c) {
-            if (type == kQ8_0) {
-              rec[(c * kGroupRows + i) * 2] = qs[2 * c];
-              rec[(c * kGroupRows + i) * 2 + 1] = qs[2 * c + 1];
-              continue;
-            }
-            // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
-            auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
-            rec[c * kGroupRows + i] =
-                static_cast<uint8_t>(nibble(2 * c) | (nibble(2 * c + 1) << 4));
-          }
-        }
+  return repack_blocks(raw, type, "pack_dot_blocks", kGroupRows, block_format(type).record_bytes,
+                       scale_offset(type), at::kByte,
+                       [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
+    for (int64_t c = 0; c < 16; ++c) {  // pair c of row i
+      if (type == kQ8_0) {
+        rec[(c * kGroupRows + i) * 2] = qs[2 * c];
+        rec[(c * kGroupRows + i) * 2 + 1] = qs[2 * c + 1];
+      } else {
+        rec[c * kGroupRows + i] =
+            static_cast<uint8_t>(gguf_nibble(qs, 2 * c) | (gguf_nibble(qs, 2 * c + 1) << 4));
       }
+    }
   });
-  return out;
 }
 
 at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {

@@ -478,37 +478,20 @@ at::Tensor pack_f32_weight(const at::Tensor& w) {
 
 at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type) {
   using f32::kLanes;
-  const BlockFormat f = check_raw_blocks(raw, type, "pack_dot_blocks");
+  check_raw_blocks(raw, type, "pack_dot_blocks");  // the type first: its message names it
   const f32::RecordFormat rf = f32::record_format(type);
-  const int64_t n = raw.size(0), kb = raw.size(1);
-  const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kLanes, kb, rf.bytes}, raw.options());
-  const uint8_t* r = src.data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
-  at::parallel_for(0, n / kLanes, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < kb; ++b) {
-        uint8_t* rec = o + (t * kb + b) * rf.bytes;
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const uint8_t* blk = r + ((t * kLanes + i) * kb + b) * f.block_bytes;
-          std::memcpy(rec + rf.q_bytes + i * 2, blk, 2);                             // d
-          if (type == kQ4_1) std::memcpy(rec + rf.q_bytes + 16 + i * 2, blk + 2, 2);  // m
-          const uint8_t* qs = blk + q_offset;
-          // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
-          auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
-          for (int64_t c = 0; c < 16; ++c) {
-            if (type == kQ8_0) {
-              rec[(2 * c) * kLanes + i] = qs[2 * c];
-              rec[(2 * c + 1) * kLanes + i] = qs[2 * c + 1];
-            } else {
-              rec[c * kLanes + i] = static_cast<uint8_t>(nibble(2 * c) | (nibble(2 * c + 1) << 4));
-            }
-          }
-        }
+  return repack_blocks(raw, type, "pack_dot_blocks", kLanes, rf.bytes, rf.q_bytes, at::kByte,
+                       [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
+    for (int64_t c = 0; c < 16; ++c) {
+      if (type == kQ8_0) {
+        rec[(2 * c) * kLanes + i] = qs[2 * c];
+        rec[(2 * c + 1) * kLanes + i] = qs[2 * c + 1];
+      } else {
+        rec[c * kLanes + i] =
+            static_cast<uint8_t>(gguf_nibble(qs, 2 * c) | (gguf_nibble(qs, 2 * c + 1) << 4));
       }
+    }
   });
-  return out;
 }
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,

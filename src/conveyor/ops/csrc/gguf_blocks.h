@@ -16,9 +16,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "simd_math.h"
 
@@ -50,6 +52,42 @@ inline BlockFormat check_raw_blocks(const at::Tensor& raw, int64_t type, const c
               raw.scalar_type());
   TORCH_CHECK(raw.size(0) % 16 == 0, op, ": rows must be a multiple of 16, got ", raw.size(0));
   return f;
+}
+
+// Raw GGUF blocks (checked as check_raw_blocks does, for `op`) repacked per `rows` output rows
+// and block into one record of `record_bytes`: an [N / rows, K / 32, record_bytes] tensor of
+// `dtype` (uint8 or int8). Row i's d (and Q4_1's m) go as fp16 to rec + scales + 2i (and
+// rec + scales + 2 * rows + 2i); put(rec, i, qs) places its quantized bytes (qs: the 16, or
+// for Q8_0 32, bytes after the block's scales). Each kernel family's packing is one `put`.
+template <class Put>
+at::Tensor repack_blocks(const at::Tensor& raw, int64_t type, const char* op, int64_t rows,
+                         int64_t record_bytes, int64_t scales, at::ScalarType dtype, Put&& put) {
+  const BlockFormat f = check_raw_blocks(raw, type, op);
+  const int64_t n = raw.size(0), kb = raw.size(1);
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::zeros({n / rows, kb, record_bytes}, raw.options().dtype(dtype));
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  auto* o = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
+  at::parallel_for(0, n / rows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < kb; ++b) {
+        uint8_t* rec = o + (t * kb + b) * record_bytes;
+        for (int64_t i = 0; i < rows; ++i) {
+          const uint8_t* blk = r + ((t * rows + i) * kb + b) * f.block_bytes;
+          std::memcpy(rec + scales + i * 2, blk, 2);                                    // d
+          if (type == kQ4_1) std::memcpy(rec + scales + 2 * rows + i * 2, blk + 2, 2);  // m
+          put(rec, i, blk + q_offset);
+        }
+      }
+  });
+  return out;
+}
+
+// Weight j of a 4-bit block's bytes qs: GGUF keeps j < 16 in the low nibble of qs[j], j + 16
+// in the high nibble of qs[j - 16].
+inline uint8_t gguf_nibble(const uint8_t* qs, int64_t j) {
+  return static_cast<uint8_t>(j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4);
 }
 
 // The type of a packed weight [N/16, K/32, record bytes], from its record size.

@@ -44,7 +44,7 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kVnniPass = 64;     // most tokens per pass over a task's unpacked weights
+constexpr int64_t kVnniPass = 256;    // most tokens per pass over a task's unpacked weights
 constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of float sums in
                                       // registers), records are read in place
 constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
@@ -60,11 +60,12 @@ constexpr int32_t vnni_offset(int64_t type) { return type == kQ8_0 ? 128 : 8; }
 // scale, the int32 sum starts (-offset * sum qx) and the exact float32 sums of x (Q4_1). The
 // tokens are the minor index, so a tile's tokens are one pointer and constant offsets.
 struct VnniCall {
-  const int32_t* q;     // [blocks * 8 quads, m]
-  const float* dx;      // [blocks, m]
-  const int32_t* init;  // [blocks, m]
-  const float* sx;      // [blocks, m]
-  int64_t m, blocks, n;
+  const int32_t* q;     // [blocks * 8 quads, stride]
+  const float* dx;      // [blocks, stride]
+  const int32_t* init;  // [blocks, stride]
+  const float* sx;      // [blocks, stride]
+  int64_t stride;       // token_stride(m)
+  int64_t blocks, n;
   const float* bias;  // [n] or null
   uint16_t* y;        // [m, n] bf16
 };
@@ -103,14 +104,14 @@ inline void unpack_record(const uint8_t* rec, Record& r) {
 template <int64_t Type, int MR>
 inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0,
                        __m512 (&sums)[MR]) {
-  const int32_t* xq = p.q + b * 8 * p.m + m0;  // quad c of token m0 + i: xq[c * m + i]
-  const int64_t at = b * p.m + m0;               // token m0's block b in the per-block arrays
+  const int32_t* xq = p.q + b * 8 * p.stride + m0;  // quad c of token m0 + i: xq[c * stride + i]
+  const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
   __m512i dot[MR];
   for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c)
     for (int i = 0; i < MR; ++i)
-      dot[i] = _mm512_dpbusd_epi32(dot[i], r.quads[c], _mm512_set1_epi32(xq[c * p.m + i]));
+      dot[i] = _mm512_dpbusd_epi32(dot[i], r.quads[c], _mm512_set1_epi32(xq[c * p.stride + i]));
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
     sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
@@ -192,16 +193,20 @@ void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], in
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = block_format(Type).record_bytes;
-  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
   const TokenPasses passes(m, kVnniPass);
+  // Tasks: (token pass, outputs), pass-major, so a thread's run of tasks shares x's rows. A
+  // few tokens take 64 outputs per task (their register tile); more go a record at a time
+  // anyway and take 16, which splits a small matmul evenly (15 tasks of 64 outputs left one
+  // of two threads idle an eighth of the time).
+  const int64_t per_task = passes.len <= kVnniStreamed ? kTaskGroups : 1;
+  const int64_t tasks = (groups + per_task - 1) / per_task;
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
-  // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
   at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     // Kept between calls: a fresh buffer this size would be new pages, faulted in every call.
     static thread_local std::vector<Record> records;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
-      const int64_t here = std::min(kTaskGroups, groups - first);
+      const int64_t pass = task / tasks, first = (task % tasks) * per_task;
+      const int64_t here = std::min(per_task, groups - first);
       const uint8_t* starts[kTaskGroups];
       for (int64_t j = 0; j < kTaskGroups; ++j)
         starts[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
@@ -219,8 +224,15 @@ struct QuantizedTokens {
   std::vector<float> dx, sx;
 };
 
+// The distance between one block's (or quad's) tokens and the next's: m for a few tokens (a
+// decode's block in one line), else an odd number of 64-byte lines, so that a tile's rows do
+// not all fall into one L1 set (2048 tokens, 8 KiB apart, ran 1.25x slower).
+int64_t token_stride(int64_t m) {
+  return m < 16 ? m : 16 * (((m + 15) / 16) | 1);
+}
+
 const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, int32_t offset) {
-  const int64_t blocks = k / 32, count = m * blocks;
+  const int64_t blocks = k / 32, count = token_stride(m) * blocks, stride = token_stride(m);
   static thread_local QuantizedTokens mine;
   QuantizedTokens& t = mine;  // the lambda below runs on other threads: not their `mine`
   if (t.init.size() < static_cast<size_t>(count)) {
@@ -229,9 +241,9 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, 
     t.dx.resize(static_cast<size_t>(count));
     t.sx.resize(static_cast<size_t>(count));
   }
-  at::parallel_for(0, count, 256, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, m * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // token i / blocks, block i % blocks
-      const int64_t token = i / blocks, b = i % blocks, at = b * m + token;
+      const int64_t token = i / blocks, b = i % blocks, at = b * stride + token;
       const __m512i words = _mm512_loadu_si512(x + i * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
@@ -248,7 +260,7 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, 
                                             _mm512_slli_epi32(_mm512_and_si512(qhi, bytes), 8));
       alignas(32) int32_t quads[8];
       _mm256_store_si256((__m256i*)quads, _mm512_cvtepi32_epi16(pairs));
-      for (int64_t c = 0; c < 8; ++c) t.q[static_cast<size_t>((b * 8 + c) * m + token)] = quads[c];
+      for (int64_t c = 0; c < 8; ++c) t.q[static_cast<size_t>((b * 8 + c) * stride + token)] = quads[c];
     }
   });
   return t;
@@ -267,38 +279,19 @@ bool vnni_blocks_available() {
 }
 
 at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
-  const BlockFormat f = check_raw_blocks(raw, type, "pack_vnni_blocks");
-  const int64_t n = raw.size(0), kb = raw.size(1);
-  const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kGroupRows, kb, f.record_bytes}, raw.options().dtype(at::kChar));
-  const uint8_t* r = src.data_ptr<uint8_t>();
-  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
-  const int64_t q_offset = type == kQ4_1 ? 4 : 2;  // after d (and m) in a GGUF block
-  const int64_t scales = vnni_scale_offset(type);
-  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < kb; ++b) {
-        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
-        for (int64_t i = 0; i < kGroupRows; ++i) {
-          const uint8_t* blk = r + ((t * kGroupRows + i) * kb + b) * f.block_bytes;
-          std::memcpy(rec + scales + i * 2, blk, 2);                             // d
-          if (type == kQ4_1) std::memcpy(rec + scales + 32 + i * 2, blk + 2, 2);  // m
-          const uint8_t* qs = blk + q_offset;
-          if (type == kQ8_0) {
-            for (int64_t j = 0; j < 32; ++j)  // quad j / 4, row i, byte j % 4
-              rec[((j / 4) * kGroupRows + i) * 4 + j % 4] = static_cast<uint8_t>(qs[j] ^ 0x80);
-            continue;
-          }
-          // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
-          auto nibble = [&](int64_t j) { return j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4; };
-          for (int64_t p = 0; p < 4; ++p)
-            for (int64_t t4 = 0; t4 < 4; ++t4)
-              rec[(p * kGroupRows + i) * 4 + t4] =
-                  static_cast<uint8_t>(nibble(8 * p + t4) | (nibble(8 * p + 4 + t4) << 4));
-        }
-      }
+  return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows, block_format(type).record_bytes,
+                       vnni_scale_offset(type), at::kChar,
+                       [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
+    if (type == kQ8_0) {
+      for (int64_t j = 0; j < 32; ++j)  // quad j / 4, row i, byte j % 4: the value + 128
+        rec[((j / 4) * kGroupRows + i) * 4 + j % 4] = static_cast<uint8_t>(qs[j] ^ 0x80);
+      return;
+    }
+    for (int64_t p = 0; p < 4; ++p)  // quads 2p and 2p + 1: low and high nibbles
+      for (int64_t t = 0; t < 4; ++t)
+        rec[(p * kGroupRows + i) * 4 + t] = static_cast<uint8_t>(
+            gguf_nibble(qs, 8 * p + t) | (gguf_nibble(qs, 8 * p + 4 + t) << 4));
   });
-  return out;
 }
 
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
@@ -309,7 +302,7 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const QuantizedTokens& t = quantize_tokens(xd, m, blocks * 32, vnni_offset(type));
-  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), m, blocks, n, bias,
+  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m), blocks, n, bias,
                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
