@@ -53,7 +53,7 @@ def vnni(kops):
 def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
     """On blocks (bf16 or, with VNNI, int8 inputs) and on bf16 pair tiles, a row gets the same
     bits alone, in a decode-sized batch or in a prefill-sized one (over 256 rows: two token
-    passes for the bf16 kernels, five for the int8 one)."""
+    passes)."""
     out_features, in_features = 80, 1536  # 5 row tiles: one full task of 4 and a partial one
     raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
     blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16)
@@ -134,6 +134,19 @@ def test_int8_inputs_are_the_blocks_product_on_8_bit_inputs(vnni, qtype, rows) -
     exact = x.float() @ torch.from_numpy(dequantize(raw.reshape(out_features, -1), qtype).copy()).T
     error = (got.float() - exact).abs().max() / exact.abs().max()
     assert 0 < error < 0.02  # the inputs' rounding shows, and stays small
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_inputs_carry_nan_and_inf_through(vnni, qtype) -> None:
+    """A NaN or an infinity among a row's inputs makes that row's outputs NaN, as the bf16
+    kernels' (not a finite value from a NaN rounded to an integer); other rows are untouched."""
+    raw = random_blocks(qtype, 32, 128, seed=3)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[1, 40], x[4, 7] = float("nan"), float("inf")
+    for rows in (slice(0, 2), slice(0, 6)):  # read in place, and unpacked
+        got = vnni.dot_linear(x[rows], vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype)), None)
+        assert got[1].isnan().all() and got[0].isfinite().all()
+    assert got[4].isnan().all() and got[[2, 3, 5]].isfinite().all()
 
 
 def test_dot_kernels_refuse_what_they_cannot_read(kops) -> None:

@@ -1,6 +1,7 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0) as the matmul kernels keep them, and their
-// dequantization to bf16 in registers: shared by the AMX kernel (quant_linear.cpp) and the
-// AVX512-BF16 dot kernel (dot_linear.cpp).
+// GGUF block formats (Q4_0, Q4_1, Q8_0) as the matmul kernels keep them, their repacking
+// (repack_blocks: the bf16, float32 and int8-input records) and their dequantization to bf16
+// in registers: shared by the AMX kernel (quant_linear.cpp), the AVX512-BF16 dot kernels
+// (dot_linear.cpp, dot_blocks.cpp, vnni_blocks.cpp) and the float32 ones (f32_linear.cpp).
 //
 // Layout (pack_block_weights): for each 16 output rows and each 32-input block, one record:
 //   Q4_0: q[8 row pairs][32 bytes] (nibbles of two rows), d[16] fp16      = 288 bytes

@@ -5,13 +5,13 @@
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
 // same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
-// scale (dx = max |x| / 127, qx = round(x / dx)). A weight is d * (s - o) + m', with s its
+// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m', with s its
 // stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and m' = 0 but
 // for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
 //   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
 // The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
 // at -o * sum_k qx_k. The second (Q4_1 only) takes the block's
-// exact float32 sum of x, as the bf16 kernel does. Counting the 4-bit values from their
+// float32 sum of x (unquantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from their
 // middle keeps Q4_1's two terms from being large and cancelling (its weights' m is about
 // -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights themselves.
 // Per block of 32 inputs, 16 rows and token: 8 vpdpbusd, then one conversion, one multiply
@@ -37,8 +37,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace conveyor {
@@ -57,7 +58,7 @@ constexpr int32_t vnni_offset(int64_t type) { return type == kQ8_0 ? 128 : 8; }
 #ifdef CONVEYOR_VNNI
 
 // A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
-// scale, the int32 sum starts (-offset * sum qx) and the exact float32 sums of x (Q4_1). The
+// scale, the int32 sum starts (-offset * sum qx) and (Q4_1) the float32 sums of x. The
 // tokens are the minor index, so a tile's tokens are one pointer and constant offsets.
 struct VnniCall {
   const int32_t* q;     // [blocks * 8 quads, stride]
@@ -154,13 +155,14 @@ void unpacked_tokens(const VnniCall& p, const Record* records, int64_t col, int6
                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums[i], bias)));
 }
 
-// Tokens [m0, m1) against a task's records: up to kVnniStreamed tokens read them in place
-// (3 at a time); more get them unpacked once (`records`: [group][block]) and go through
-// them a record and 8 tokens at a time.
+// Tokens [m0, m1) against a task's records: `streamed` (passes of up to kVnniStreamed
+// tokens) reads them in place; otherwise they are unpacked once (`records`: [group][block])
+// and gone through a record and 8 tokens at a time.
 template <int64_t Type>
 void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], int64_t stride,
-               int64_t groups, int64_t n0, int64_t m0, int64_t m1, std::vector<Record>& records) {
-  if (m1 - m0 <= kVnniStreamed) {
+               int64_t groups, int64_t n0, int64_t m0, int64_t m1, bool streamed,
+               std::vector<Record>& records) {
+  if (streamed) {
     switch (m1 - m0) {
       case 1: streamed_tokens<Type, 1>(p, first, stride, groups, n0, m0); break;
       case 2: streamed_tokens<Type, 2>(p, first, stride, groups, n0, m0); break;
@@ -198,9 +200,10 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   // few tokens take 64 outputs per task (their register tile); more go a record at a time
   // anyway and take 16, which splits a small matmul evenly (15 tasks of 64 outputs left one
   // of two threads idle an eighth of the time).
-  const int64_t per_task = passes.len <= kVnniStreamed ? kTaskGroups : 1;
+  const bool streamed = passes.len <= kVnniStreamed;
+  const int64_t per_task = streamed ? kTaskGroups : 1;
   const int64_t tasks = (groups + per_task - 1) / per_task;
-  std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
+  std::vector<uint8_t> zeros(static_cast<size_t>(groups % per_task ? record * p.blocks : 0), 0);
   at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     // Kept between calls: a fresh buffer this size would be new pages, faulted in every call.
     static thread_local std::vector<Record> records;
@@ -211,7 +214,7 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
       for (int64_t j = 0; j < kTaskGroups; ++j)
         starts[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
       vnni_task<Type>(p, starts, record, here, first * kGroupRows, passes.begin(pass),
-                      passes.end(pass, m), records);
+                      passes.end(pass, m), streamed, records);
     }
   });
 }
@@ -231,7 +234,10 @@ int64_t token_stride(int64_t m) {
   return m < 16 ? m : 16 * (((m + 15) / 16) | 1);
 }
 
-const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, int32_t offset) {
+// A block with a NaN or an infinity gets the scale NaN and zeros for values: its products are
+// NaN, as the bf16 kernels' are (rounding NaN to an integer would give INT_MIN).
+template <int64_t Type>
+const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
   const int64_t blocks = k / 32, count = token_stride(m) * blocks, stride = token_stride(m);
   static thread_local QuantizedTokens mine;
   QuantizedTokens& t = mine;  // the lambda below runs on other threads: not their `mine`
@@ -247,13 +253,16 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k, 
       const __m512i words = _mm512_loadu_si512(x + i * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
-      t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if constexpr (Type == kQ4_1) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      t.dx[at] = amax / 127.f;
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-      t.init[at] = -offset * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const bool finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
+      const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+      t.dx[at] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+      const __m512i qlo = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)))
+                                 : _mm512_setzero_si512();
+      const __m512i qhi = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)))
+                                 : _mm512_setzero_si512();
+      t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
       // Back to input order (even inputs in qlo, odd in qhi): word c = byte 2c | byte 2c + 1.
       const __m512i bytes = _mm512_set1_epi32(0xFF);
       const __m512i pairs = _mm512_or_si512(_mm512_and_si512(qlo, bytes),
@@ -301,7 +310,9 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const QuantizedTokens& t = quantize_tokens(xd, m, blocks * 32, vnni_offset(type));
+  const QuantizedTokens& t = type == kQ4_0 ? quantize_tokens<kQ4_0>(xd, m, blocks * 32)
+                             : type == kQ4_1 ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
+                                             : quantize_tokens<kQ8_0>(xd, m, blocks * 32);
   const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m), blocks, n, bias,
                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
