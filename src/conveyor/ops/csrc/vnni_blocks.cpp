@@ -98,6 +98,14 @@ inline void unpack_record(const uint8_t* rec, Record& r) {
       : _mm512_setzero_ps();
 }
 
+// acc + the products of w's bytes (unsigned) with the 4 bytes at x (signed) broadcast, the
+// broadcast folded into vpdpbusd's memory operand: GCC loads it with a separate
+// vpbroadcastd, which on Zen 4 takes a slot of the pipes vpdpbusd needs.
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
 // Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
 // token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
 // vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
@@ -112,7 +120,7 @@ inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c)
     for (int i = 0; i < MR; ++i)
-      dot[i] = _mm512_dpbusd_epi32(dot[i], r.quads[c], _mm512_set1_epi32(xq[c * p.stride + i]));
+      dot[i] = dpbusd_broadcast(dot[i], r.quads[c], xq + c * p.stride + i);
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
     sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
