@@ -5,15 +5,15 @@
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
 // same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
-// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m', with s its
-// stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and m' = 0 but
-// for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
+// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m',
+// with s its stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and
+// m' = 0 but for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
 //   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
 // The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
-// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's
-// float32 sum of x (unquantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from their
-// middle keeps Q4_1's two terms from being large and cancelling (its weights' m is about
-// -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights themselves.
+// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's float32 sum of x (not
+// quantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from
+// their middle keeps Q4_1's two terms from being large and cancelling (its weights' m is
+// about -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights.
 // Per block of 32 inputs, 16 rows and token: 8 vpdpbusd, then one conversion, one multiply
 // and one fused multiply-add (and one more for Q4_1), in the same order for an output
 // whatever the batch, tile or thread; a token's quantized inputs depend on that token
@@ -113,7 +113,7 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
 template <int64_t Type, int MR>
 inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0,
                        __m512 (&sums)[MR]) {
-  const int32_t* xq = p.q + b * 8 * p.stride + m0;  // quad c of token m0 + i: xq[c * stride + i]
+  const int32_t* xq = p.q + b * 8 * p.stride + m0;  // token m0 + i's quad c: xq[c * stride + i]
   const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
   __m512i dot[MR];
   for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
@@ -277,7 +277,8 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
                                             _mm512_slli_epi32(_mm512_and_si512(qhi, bytes), 8));
       alignas(32) int32_t quads[8];
       _mm256_store_si256((__m256i*)quads, _mm512_cvtepi32_epi16(pairs));
-      for (int64_t c = 0; c < 8; ++c) t.q[static_cast<size_t>((b * 8 + c) * stride + token)] = quads[c];
+      for (int64_t c = 0; c < 8; ++c)
+        t.q[static_cast<size_t>((b * 8 + c) * stride + token)] = quads[c];
     }
   });
   return t;
@@ -321,8 +322,8 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
   const QuantizedTokens& t = type == kQ4_0 ? quantize_tokens<kQ4_0>(xd, m, blocks * 32)
                              : type == kQ4_1 ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
                                              : quantize_tokens<kQ8_0>(xd, m, blocks * 32);
-  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m), blocks, n, bias,
-                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
+  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m),
+                   blocks, n, bias, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
     case kQ4_0: vnni_run<kQ4_0>(p, wd, groups, m); break;
