@@ -136,6 +136,27 @@ def test_int8_inputs_are_the_blocks_product_on_8_bit_inputs(vnni, qtype, rows) -
     assert 0 < error < 0.02  # the inputs' rounding shows, and stays small
 
 
+def test_int8_inputs_read_q4_k_blocks(vnni) -> None:
+    """Q4_K (llama.cpp's Q4_K_M files: 256 weights per block, a 6-bit scale and min per 32)
+    repacked per 32 with its exact float32 scales: the same product as on its dequantized
+    weights, but for the inputs' rounding, and the same bits for a row whatever the batch."""
+    rows, cols = 48, 512
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d and dmin, of realistic size
+        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    exact = torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q4_K).copy())
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    w = vnni.pack_vnni_blocks(torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K))
+    got = vnni.dot_linear(x, w, None)
+    want = x.float() @ exact.T
+    assert 0 < ((got.float() - want).abs().max() / want.abs().max()) < 0.02
+    for part in (slice(0, 1), slice(5, 8), slice(10, 50)):
+        assert torch.equal(vnni.dot_linear(x[part], w, None), got[part])
+    with pytest.raises(RuntimeError, match=r"Q4_K blocks must be uint8 \[rows"):
+        vnni.pack_vnni_blocks(torch.zeros(16, 2, 20, dtype=torch.uint8), 12)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_int8_inputs_carry_nan_and_inf_through(vnni, qtype) -> None:
     """A NaN or an infinity among a row's inputs makes that row's outputs NaN, as the bf16

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from conftest_models import default_gguf
 from conveyor import LLM, SamplingParams, ops
-from conveyor.model.layers import PackedLinear
+from conveyor.model.layers import Q4_K, PackedLinear
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -61,3 +65,24 @@ def test_the_default_model_takes_int8_inputs_and_scores_text_nearly_as_well(text
     # or scale would cost far more (the model scores ~3.4 nats a token).
     assert abs(with_bf16 - exact) < 0.02
     assert with_int8 != with_bf16 and abs(with_int8 - with_bf16) < math.log(1.02)
+
+
+def test_a_q4_k_matmul_reads_its_blocks_with_int8_inputs_only() -> None:
+    """Q4_K (Q4_K_M files' main type) is read in place with int8 inputs; without them (or
+    where they do not run) the matmul keeps its bf16 weight."""
+    if not ops.vnni_blocks_available():
+        pytest.skip("int8 inputs need AVX512-VNNI and no AMX (bf16 block matmuls)")
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (64, 2, 144), dtype=np.uint8)  # 64 x 512 weights
+    for at in (0, 2):  # d and dmin, of realistic size
+        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, (64, 2)).astype(np.float16)[..., None].view(np.uint8)
+    weight = torch.from_numpy(dequantize(raw.reshape(64, -1), GGMLQuantizationType.Q4_K).copy())
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    dense = PackedLinear(weight.to(torch.bfloat16), None)
+    assert not dense.use_blocks(torch.from_numpy(raw), Q4_K, int8_activations=False)
+    assert dense.blocks is None
+    linear = PackedLinear(weight.to(torch.bfloat16), None)
+    assert linear.use_blocks(torch.from_numpy(raw), Q4_K, int8_activations=True)
+    assert linear.int8_inputs and linear.blocks is not None
+    got, want = linear(x).float(), dense(x).float()
+    assert 0 < (got - want).abs().max() < 0.02 * want.abs().max()

@@ -217,15 +217,17 @@ def _gguf_part(tensor: Any, part: Slice | None) -> np.ndarray | None:
     return data[:, part.start // block_size * type_size:stop // block_size * type_size]
 
 
-# Block formats the quantized decode matmuls read in place: GGML type -> bytes per 32 weights.
+# Block formats the quantized matmuls read in place: GGML type -> bytes per block of 32
+# weights (Q4_K: of 256, read only with int8 inputs: model.layers.weights_per_block).
 BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
-               GGMLQuantizationType.Q8_0: 34}
+               GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_K: 144}
 
 
 def gguf_block_weights(reader: GGUFReader, config: ModelConfig, plan: ShardPlan | None = None
                        ) -> dict[str, tuple[int, torch.Tensor]]:
-    """The matrices stored as Q4_0, Q4_1 or Q8_0 blocks, undecoded: HF name -> (GGML type,
-    uint8 [out, in / 32, bytes per block]), rows in HF order (rotary permutation undone).
+    """The matrices stored as Q4_0, Q4_1, Q8_0 or Q4_K blocks, undecoded: HF name -> (GGML
+    type, uint8 [out, in / weights per block, bytes per block]), rows in HF order (rotary
+    permutation undone).
     With a shard plan, this rank's part (a column slice that cuts blocks is left out: that
     matmul keeps its dequantized weight)."""
     blocks: dict[str, tuple[int, torch.Tensor]] = {}

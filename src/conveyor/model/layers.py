@@ -16,6 +16,13 @@ BLOCKS_TOLERANCE = 0.02
 # With int8 inputs the error is the inputs' rounding to 8 bits per 32 (1-2 % of the largest
 # output on random inputs for the default model's weights): the check is for a wrong layout.
 INT8_BLOCKS_TOLERANCE = 0.05
+# GGML's Q4_K: 256 weights per block (the other block types here hold 32); only the int8-input
+# kernels read it (repacked per 32, csrc/vnni_blocks.cpp).
+Q4_K = 12
+
+
+def weights_per_block(qtype: int) -> int:
+    return 256 if qtype == Q4_K else 32
 
 
 class PackedLinear(nn.Module):
@@ -85,9 +92,9 @@ class PackedLinear(nn.Module):
         return self.out_features * self.in_features * self.dtype.itemsize
 
     def use_blocks(self, raw: torch.Tensor, qtype: int, int8_activations: bool = False) -> bool:
-        """Read this weight's GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type
-        ``qtype``) where the kernels can, if they hold this weight: checked here on random
-        inputs. False (and unchanged) otherwise.
+        """Read this weight's GGUF blocks (uint8 ``[out, in / weights_per_block, block
+        bytes]`` of GGML type ``qtype``) where the kernels can, if they hold this weight:
+        checked here on random inputs. False (and unchanged) otherwise.
 
         - AMX: batches of up to ``quantized_linear_max_rows`` rows, bit-identical to oneDNN
           on the bf16 weight (checked at 1, 13 and ``onednn_small_rows`` rows: above that
@@ -96,13 +103,15 @@ class PackedLinear(nn.Module):
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
           With ``int8_activations`` and AVX512-VNNI, bf16 inputs are quantized to int8 per
           block of 32 (``pack_vnni_blocks``): further from the dense results, as llama.cpp's
-          (checked close the same way).
+          (checked close the same way). Q4_K only so.
         """
         gen = torch.Generator().manual_seed(0)
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
         int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
                 and cpu_kernels.vnni_blocks_available())
+        if qtype == Q4_K and not int8:
+            return False
         if self.dot:
             blocks = (cpu_kernels.pack_vnni_blocks(raw, qtype) if int8
                       else cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype))

@@ -19,7 +19,13 @@ from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged import paged_attention
 from conveyor.config import EngineArgs, ModelConfig
 from conveyor.model.cpu_decode import CpuFusedDecode
-from conveyor.model.layers import PackedLinear, RMSNorm, RotaryEmbedding, can_pack_linears
+from conveyor.model.layers import (
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    can_pack_linears,
+    weights_per_block,
+)
 from conveyor.model.parallel import TensorParallel
 from conveyor.ops import OpsBackend, ReferenceBackend, select_backend
 
@@ -263,11 +269,11 @@ class CausalLM(nn.Module):
             types = {f[0] for f in found if f is not None}
             if not isinstance(linear, PackedLinear) or None in found or len(types) != 1:
                 continue
-            raw = torch.cat([f[1] for f in found if f is not None])
-            if (raw.shape[0] != linear.out_features or raw.shape[1] * 32 != linear.in_features
-                    or raw.shape[0] % 16):
+            raw, qtype = torch.cat([f[1] for f in found if f is not None]), types.pop()
+            if (raw.shape[0] != linear.out_features or raw.shape[0] % 16
+                    or raw.shape[1] * weights_per_block(qtype) != linear.in_features):
                 continue
-            used += linear.use_blocks(raw, types.pop(), int8_activations)
+            used += linear.use_blocks(raw, qtype, int8_activations)
         self._weights_changed()
         return used
 

@@ -92,9 +92,9 @@ class Checkpoint:
 
     def block_weights(self, plan: ShardPlan | None = None
                       ) -> dict[str, tuple[int, torch.Tensor]]:
-        """The matrices a GGUF file stores as Q4_0, Q4_1 or Q8_0 blocks, undecoded (for the
-        quantized decode matmuls): HF name -> (GGML type, uint8 [out, in / 32, block bytes]).
-        Empty for other formats. With a shard plan, this rank's parts."""
+        """The matrices a GGUF file stores as Q4_0, Q4_1, Q8_0 or Q4_K blocks, undecoded (for
+        the quantized matmuls): HF name -> (GGML type, uint8 [out, in / weights per block,
+        block bytes]). Empty for other formats. With a shard plan, this rank's parts."""
         return {} if self._block_source is None else self._block_source(plan)
 
 

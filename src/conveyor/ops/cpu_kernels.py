@@ -231,8 +231,9 @@ def pack_dot_blocks(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.
 
 
 def pack_vnni_blocks(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks for ``dot_linear`` on bf16 inputs quantized to int8 per block of 32 (int8
-    records: ``csrc/vnni_blocks.cpp``)."""
+    """GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K ``[out, in / 256, 144]``, repacked per 32) for
+    ``dot_linear`` on bf16 inputs quantized to int8 per block of 32 (int8 records:
+    ``csrc/vnni_blocks.cpp``)."""
     return torch.ops.conveyor.pack_vnni_blocks(raw, qtype)
 
 

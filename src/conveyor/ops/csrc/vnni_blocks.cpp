@@ -1,6 +1,7 @@
-// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0) with int8 activations, for CPUs with AVX512-VNNI
-// and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs,
-// at every batch size (dot_linear.cpp dispatches here; its notes on batch invariance hold).
+// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
+// scales) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
+// Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs, at every batch size
+// (dot_linear.cpp dispatches here; its notes on batch invariance hold).
 //
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
@@ -37,8 +38,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -49,6 +53,14 @@ constexpr int64_t kVnniPass = 256;    // most tokens per pass over a task's unpa
 constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of float sums in
                                       // registers), records are read in place
 constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
+
+// Q4_K (GGML type 12: 256 weights per super-block, a 6-bit scale and min per 32) repacked per
+// 32 like Q4_1, with its exact float32 scales d * sc and -dmin * m: 256 nibble bytes, d[16]
+// and m[16] float32 = 384 bytes (a size no other record has).
+constexpr int64_t kQ4_K = 12;
+constexpr int64_t kQ4KRecord = 384;
+// Whether a type's records carry an m (its blocks' sums of x count).
+constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K; }
 
 constexpr int64_t vnni_scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
 // The int32 sums count the 4-bit values from their middle (q - 8, Q4_1 too: its d * q + m is
@@ -91,11 +103,16 @@ inline void unpack_record(const uint8_t* rec, Record& r) {
     }
   }
   const int64_t scales = vnni_scale_offset(Type);
-  r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales)));
-  r.mv = Type == kQ4_1
-      ? _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f),
-                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales + 32))))
-      : _mm512_setzero_ps();
+  if constexpr (Type == kQ4_K) {
+    r.d = _mm512_loadu_ps(rec + scales);
+    r.mv = _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f), _mm512_loadu_ps(rec + scales + 64));
+  } else {
+    r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales)));
+    r.mv = Type == kQ4_1 ? _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f),
+                                           _mm512_cvtph_ps(_mm256_loadu_si256(
+                                               (const __m256i*)(rec + scales + 32))))
+                         : _mm512_setzero_ps();
+  }
 }
 
 // acc + the products of w's bytes (unsigned) with the 4 bytes at x (signed) broadcast, the
@@ -124,7 +141,7 @@ inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
     sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
-    if constexpr (Type == kQ4_1)
+    if constexpr (has_min(Type))
       sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
   }
 }
@@ -202,7 +219,7 @@ void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], in
 
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
-  const int64_t record = block_format(Type).record_bytes;
+  const int64_t record = Type == kQ4_K ? kQ4KRecord : block_format(Type).record_bytes;
   const TokenPasses passes(m, kVnniPass);
   // Tasks: (token pass, outputs), pass-major, so a thread's run of tasks shares x's rows. A
   // few tokens take 64 outputs per task (their register tile); more go a record at a time
@@ -261,7 +278,7 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
       const __m512i words = _mm512_loadu_si512(x + i * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
-      if constexpr (Type == kQ4_1) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if constexpr (has_min(Type)) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const bool finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
       const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
@@ -296,7 +313,66 @@ bool vnni_blocks_available() {
 #endif
 }
 
+namespace {
+
+// Sub-block j's (0-7) 6-bit scale and min from a Q4_K super-block's 12 scale bytes (GGML's
+// get_scale_min_k4).
+void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K super-blocks uint8 [N, K/256, 144] (d, dmin fp16; 12 scale bytes; 128 bytes of
+// nibbles: sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31) ->
+// per-32 records [N/16, K/32, 384] in the Q4 quad layout.
+at::Tensor pack_vnni_q4k(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == 144 &&
+                  raw.size(0) % kGroupRows == 0,
+              "pack_vnni_blocks: Q4_K blocks must be uint8 [rows (a multiple of 16), in / 256, "
+              "144], got ", raw.sizes(), " ", raw.scalar_type());
+  const int64_t n = raw.size(0), supers = raw.size(1), blocks = supers * 8;
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::zeros({n / kGroupRows, blocks, kQ4KRecord}, raw.options().dtype(at::kChar));
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < kGroupRows; ++i)
+        for (int64_t sb = 0; sb < supers; ++sb) {
+          const uint8_t* blk = r + ((t * kGroupRows + i) * supers + sb) * 144;
+          uint16_t bits[2];
+          std::memcpy(bits, blk, 4);
+          const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+          const float dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+          for (int64_t j = 0; j < 8; ++j) {
+            uint8_t* rec = o + (t * blocks + sb * 8 + j) * kQ4KRecord;
+            int sc = 0, mn = 0;
+            q4k_scale_min(blk + 4, j, sc, mn);
+            const float dj = d * static_cast<float>(sc), mj = -(dmin * static_cast<float>(mn));
+            std::memcpy(rec + 256 + i * 4, &dj, 4);
+            std::memcpy(rec + 320 + i * 4, &mj, 4);
+            const uint8_t* qs = blk + 16 + 32 * (j / 2);  // low nibbles: j even; high: odd
+            const int shift = 4 * static_cast<int>(j & 1);
+            auto q = [&](int64_t l) { return static_cast<uint8_t>((qs[l] >> shift) & 0xF); };
+            for (int64_t p = 0; p < 4; ++p)
+              for (int64_t b = 0; b < 4; ++b)
+                rec[(p * kGroupRows + i) * 4 + b] =
+                    static_cast<uint8_t>(q(8 * p + b) | (q(8 * p + 4 + b) << 4));
+          }
+        }
+  });
+  return out;
+}
+
+}  // namespace
+
 at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
+  if (type == kQ4_K) return pack_vnni_q4k(raw);
   return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows, block_format(type).record_bytes,
                        vnni_scale_offset(type), at::kChar,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
@@ -313,21 +389,23 @@ at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
 }
 
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t type = type_of_record(w.size(2), "dot_linear");
+  const int64_t type = w.size(2) == kQ4KRecord ? kQ4_K : type_of_record(w.size(2), "dot_linear");
   const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const QuantizedTokens& t = type == kQ4_0 ? quantize_tokens<kQ4_0>(xd, m, blocks * 32)
-                             : type == kQ4_1 ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
-                                             : quantize_tokens<kQ8_0>(xd, m, blocks * 32);
+  // The offset (8 but for Q8_0) and whether x's sums are needed depend on the type alone.
+  const QuantizedTokens& t = type == kQ8_0 ? quantize_tokens<kQ8_0>(xd, m, blocks * 32)
+                             : has_min(type) ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
+                                             : quantize_tokens<kQ4_0>(xd, m, blocks * 32);
   const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m),
                    blocks, n, bias, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
     case kQ4_0: vnni_run<kQ4_0>(p, wd, groups, m); break;
     case kQ4_1: vnni_run<kQ4_1>(p, wd, groups, m); break;
+    case kQ4_K: vnni_run<kQ4_K>(p, wd, groups, m); break;
     default: vnni_run<kQ8_0>(p, wd, groups, m); break;
   }
 #else
