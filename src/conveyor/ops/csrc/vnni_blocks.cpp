@@ -35,11 +35,10 @@
 #include "token_passes.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <c10/util/Half.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
