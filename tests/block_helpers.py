@@ -26,6 +26,16 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) 
     return raw
 
 
+def random_q4k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K blocks of random weights (256 per block: d and dmin fp16, 12 bytes of 6-bit scales
+    and mins, 128 of nibbles): uint8 [rows, cols / 256, 144]."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d and dmin, of realistic size
+        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
 def bf16_weight(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     """What the loader makes of the blocks: gguf-py's float32 values, rounded to bf16."""
     rows = raw.shape[0]

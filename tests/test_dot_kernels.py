@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks
+from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks, random_q4k_blocks
 from conveyor import ops
 
 
@@ -141,10 +141,7 @@ def test_int8_inputs_read_q4_k_blocks(vnni) -> None:
     repacked per 32 with its exact float32 scales: the same product as on its dequantized
     weights, but for the inputs' rounding, and the same bits for a row whatever the batch."""
     rows, cols = 48, 512
-    rng = np.random.default_rng(7)
-    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    for at in (0, 2):  # d and dmin, of realistic size
-        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    raw = random_q4k_blocks(rows, cols, seed=7)
     exact = torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q4_K).copy())
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     w = vnni.pack_vnni_blocks(torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K))

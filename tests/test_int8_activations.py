@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from block_helpers import random_q4k_blocks
 from conftest_models import default_gguf
 from conveyor import LLM, SamplingParams, ops
 from conveyor.model.layers import Q4_K, PackedLinear
@@ -72,10 +72,7 @@ def test_a_q4_k_matmul_reads_its_blocks_with_int8_inputs_only() -> None:
     where they do not run) the matmul keeps its bf16 weight."""
     if not ops.vnni_blocks_available():
         pytest.skip("int8 inputs need AVX512-VNNI and no AMX (bf16 block matmuls)")
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (64, 2, 144), dtype=np.uint8)  # 64 x 512 weights
-    for at in (0, 2):  # d and dmin, of realistic size
-        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, (64, 2)).astype(np.float16)[..., None].view(np.uint8)
+    raw = random_q4k_blocks(64, 512, seed=0)
     weight = torch.from_numpy(dequantize(raw.reshape(64, -1), GGMLQuantizationType.Q4_K).copy())
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     dense = PackedLinear(weight.to(torch.bfloat16), None)
