@@ -3,13 +3,34 @@ before any work, never a traceback (what a probe of every subcommand found)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from conveyor.cli import main
+from conveyor.cli import build_parser, main
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "conveyor"
+             ) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _parsers(sub, f"{path} {name}")
+    return found
+
+
+def test_every_command_prints_its_help() -> None:
+    # argparse %-formats help texts: a bare "%" in one field's help once made `conveyor serve
+    # --help` and every bench command's help a traceback
+    parsers = _parsers(build_parser())
+    assert {"conveyor serve", "conveyor bench offline"} <= {path for path, _ in parsers}
+    for path, parser in parsers:
+        text = parser.format_help()
+        assert text.startswith("usage: " + path), path
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -55,6 +55,7 @@ def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str] | None = No
         kind = _flag_type(f, hints)
         text = f.metadata.get("help") or (helps or {}).get(f.name, "")
         help_text = text if "default:" in text else f"{text} (default: {default})"
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help ("+0.5 %")
         if kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
