@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "parallel_tasks.h"
 #include "prefill_attention.h"
 #include "simd_math.h"
 
@@ -228,7 +229,7 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
   const int64_t group = heads / kv_heads, q_blocks = (len + 15) / 16;
   const auto* qd = q.data_ptr<at::BFloat16>();
   auto* od = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, heads * q_blocks, 1, [&](int64_t w0, int64_t w1) {
+  parallel_tasks(heads * q_blocks, [&](int64_t w0, int64_t w1) {
     const FlushDenormals flush;
 #ifdef CONVEYOR_AMX
     if (tiles) load_tile_config();  // 0: Q or P; 1: K or V; 2: S; 4-7: O
