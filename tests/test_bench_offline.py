@@ -223,6 +223,26 @@ def test_offline_against_a_second_engine_reports_both(
     assert [row["batch"] for row in other["roofline"]] == [2]
 
 
+def test_offline_rounds_alternate_the_engines_and_report_totals(
+        capsys: pytest.CaptureFixture[str], tiny_dummy_dir: Path) -> None:
+    """`bench offline --rounds 3 --against ...`: each engine runs the workload three times,
+    in turn, and its throughput is the total over the rounds (not their mean)."""
+    flags = _engine_flags(tiny_dummy_dir)
+    report = _run_json(capsys, ["bench", "offline", "--json", "--num-requests", "4",
+                                "--roofline-batches", "--no-warmup", "--rounds", "3",
+                                "--against", "max_num_seqs=2", *flags])
+    assert report["rounds"] == 3
+    for result in (report["result"], report["against"]["result"]):
+        each = result["rounds_output_tokens_per_s"]
+        assert len(each) == 3 and result["num_requests"] == 3 * 4
+        per_round = result["output_tokens"] / 3
+        assert result["output_tokens_per_s"] == pytest.approx(
+            result["output_tokens"] / sum(per_round / rate for rate in each))
+    assert report["against"]["throughput_ratio"] == pytest.approx(
+        report["result"]["output_tokens_per_s"]
+        / report["against"]["result"]["output_tokens_per_s"])
+
+
 @pytest.mark.parametrize("text,message", [("kv_cache_dtype", "NAME=VALUE"),
                                           ("colour=red", "NAME=VALUE"),
                                           ("enable_prefix_caching=maybe", "true or false"),

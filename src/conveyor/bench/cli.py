@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="also run the workload and the decode-step timing on a second "
                               "engine with this engine argument changed (repeatable), e.g. "
                               "--against kv_cache_dtype=auto, and print the ratios")
+    offline.add_argument("--rounds", type=positive_int, default=1,
+                         help="run the workload this many times on each engine, the engines "
+                              "in turn with --against (A, B, A, B, ...), and report totals: "
+                              "on a machine whose speed drifts, both sides of the ratio then "
+                              "see the same conditions")
     offline.add_argument("--json", action="store_true", help="print the JSON result only")
     offline.add_argument("--result-file", default=None, help="write the JSON result here")
     add_engine_args(offline)
@@ -96,7 +101,7 @@ def run_offline_cmd(args: argparse.Namespace) -> int:
     # would wait for ranks that are not running them.
     roofline = tuple(args.roofline_batches) if engine_args.tensor_parallel_size == 1 else ()
     report = run_offline(llm, workload, roofline, warmup=args.warmup,
-                         reference_llm=reference, against=against)
+                         reference_llm=reference, against=against, rounds=args.rounds)
     _emit(report, args, format_offline)
     return 0
 

@@ -9,6 +9,7 @@ batch (the roofline a decode step can approach): their ratio is the engine's ove
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -244,34 +245,74 @@ def single_stream(llm: LLM, stream: SingleStream) -> dict[str, float]:
             "decode_tokens_per_s": (stream.max_tokens - 1) / (end - first)}
 
 
+def combined(results: list[OfflineResult]) -> OfflineResult:
+    """Runs of one workload as one result: their requests, tokens, steps and time summed (so
+    its rates are totals over total time), the speculation figures averaged."""
+    return OfflineResult(
+        num_requests=sum(r.num_requests for r in results),
+        duration_s=sum(r.duration_s for r in results),
+        prompt_tokens=sum(r.prompt_tokens for r in results),
+        output_tokens=sum(r.output_tokens for r in results),
+        num_steps=sum(r.num_steps for r in results),
+        num_preemptions=sum(r.num_preemptions for r in results),
+        spec_acceptance_rate=statistics.fmean(r.spec_acceptance_rate for r in results),
+        spec_mean_accepted_length=statistics.fmean(r.spec_mean_accepted_length
+                                                   for r in results))
+
+
+def run_rounds(llms: list[LLM], workload: Any, rounds: int) -> list[list[OfflineResult]]:
+    """The workload ``rounds`` times on each engine, the engines in turn (A, B, A, B, ...):
+    a machine whose speed drifts by tens of percent within minutes (measured on a 2-core VM)
+    then slows both sides of a ratio alike, where one engine's runs after the other's would
+    not."""
+    runs: list[list[OfflineResult]] = [[] for _ in llms]
+    for _ in range(rounds):
+        for llm, got in zip(llms, runs, strict=True):
+            got.append(run_workload(llm, workload))
+    return runs
+
+
+def _summary(runs: list[OfflineResult]) -> dict[str, Any]:
+    return {**asdict(combined(runs)),
+            "rounds_output_tokens_per_s": [r.output_tokens_per_s for r in runs]}
+
+
+def _reference_ops(reference_llm: LLM, workload: Any, warmup: bool,
+                   result: dict[str, Any]) -> dict[str, Any]:
+    reference_llm.engine.runner.use_backend(ReferenceBackend())
+    if warmup:
+        warm_up_on(reference_llm, workload)
+    reference = asdict(run_workload(reference_llm, workload))
+    reference["kernels_over_reference"] = (result["output_tokens_per_s"]
+                                           / reference["output_tokens_per_s"])
+    reference_llm.engine.check_integrity()
+    return reference
+
+
 def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1, 16, 64),
                 warmup: bool = True, reference_llm: LLM | None = None,
-                against: tuple[LLM, list[str]] | None = None) -> dict[str, Any]:
+                against: tuple[LLM, list[str]] | None = None,
+                rounds: int = 1) -> dict[str, Any]:
     """Throughput of the workload plus decode-step-vs-matmul ratios, in one run; with
     ``reference_llm`` (the same engine arguments) also the workload through the torch
     reference ops instead of the C++ kernels, and the ratio; with ``against`` (a second
-    engine and the engine arguments it changes) its throughput, ratio and decode steps."""
+    engine and the engine arguments it changes) its throughput, ratio and decode steps. The
+    workload runs ``rounds`` times on each engine, in turn (``run_rounds``), and the
+    throughputs are totals over the rounds."""
+    engines = [llm] if against is None else [llm, against[0]]
     if warmup:
-        warm_up_on(llm, workload)
-    result = run_workload(llm, workload)
-    reference = None
-    if reference_llm is not None:
-        reference_llm.engine.runner.use_backend(ReferenceBackend())
-        if warmup:
-            warm_up_on(reference_llm, workload)
-        reference = asdict(run_workload(reference_llm, workload))
-        reference["kernels_over_reference"] = (result.output_tokens_per_s
-                                               / reference["output_tokens_per_s"])
-        reference_llm.engine.check_integrity()
+        for engine in engines:
+            warm_up_on(engine, workload)
+    runs = run_rounds(engines, workload, rounds)
+    result = _summary(runs[0])
+    reference = (None if reference_llm is None
+                 else _reference_ops(reference_llm, workload, warmup, result))
     other: dict[str, Any] | None = None
     if against is not None:
-        other_llm, changes = against
-        if warmup:
-            warm_up_on(other_llm, workload)
-        other_result = run_workload(other_llm, workload)
-        other = {"changes": changes, "result": asdict(other_result),
-                 "throughput_ratio": (result.output_tokens_per_s
-                                      / other_result.output_tokens_per_s)}
+        other_result = _summary(runs[1])
+        other = {"changes": against[1], "result": other_result,
+                 "throughput_ratio": (result["output_tokens_per_s"]
+                                      / other_result["output_tokens_per_s"])}
     # No roofline batches: no decode-step timings and no single stream either (quick runs).
     roofline = roofline_rows(llm, roofline_batches)
     stream = single_stream(llm, SingleStream()) if roofline_batches else None
@@ -281,15 +322,18 @@ def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1,
                                   if roofline_batches else None)
         against[0].engine.check_integrity()
     llm.engine.check_integrity()
-    return {"workload": asdict(workload), "result": asdict(result), "roofline": roofline,
-            "single_stream": stream, "reference_ops": reference, "against": other,
-            "engine": {"dtype": str(llm.engine.dtype).removeprefix("torch."),
-                       "device": str(llm.engine.device),
-                       "kv_cache_dtype": llm.engine.kv_layout.kv_cache_dtype,
-                       "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
-                       "max_num_batched_tokens":
-                           llm.engine.scheduler_config.max_num_batched_tokens,
-                       "threads": torch.get_num_threads()}}
+    return {"workload": asdict(workload), "rounds": rounds, "result": result,
+            "roofline": roofline, "single_stream": stream, "reference_ops": reference,
+            "against": other, "engine": _engine_summary(llm)}
+
+
+def _engine_summary(llm: LLM) -> dict[str, Any]:
+    return {"dtype": str(llm.engine.dtype).removeprefix("torch."),
+            "device": str(llm.engine.device),
+            "kv_cache_dtype": llm.engine.kv_layout.kv_cache_dtype,
+            "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": llm.engine.scheduler_config.max_num_batched_tokens,
+            "threads": torch.get_num_threads()}
 
 
 ROOFLINE_HEADER = (f"{'batch':>5} {'bf16 matmuls':>12} {'own matmuls':>11} {'decode step':>11} "
@@ -315,6 +359,13 @@ def _spec_lines(result: dict[str, Any]) -> list[str]:
             f"{'Spec decode acceptance rate:':<40}{result['spec_acceptance_rate']:.2f}"]
 
 
+def _rounds_lines(report: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    if report.get("rounds", 1) == 1:
+        return []
+    each = " ".join(f"{x:.1f}" for x in result["rounds_output_tokens_per_s"])
+    return [f"{'Rounds (output tok/s each):':<40}{each}"]
+
+
 def format_offline(report: dict[str, Any]) -> str:
     r = report["result"]
     lines = [
@@ -328,6 +379,7 @@ def format_offline(report: dict[str, Any]) -> str:
         f"{'Request throughput (req/s):':<40}{r['requests_per_s']:.2f}",
         f"{'Output token throughput (tok/s):':<40}{r['output_tokens_per_s']:.1f}",
         f"{'Total token throughput (tok/s):':<40}{r['total_tokens_per_s']:.1f}",
+        *_rounds_lines(report, r),
         *_spec_lines(r),
         "--------- Decode step vs matmuls (ms) -----------",
         ROOFLINE_HEADER,
@@ -345,6 +397,7 @@ def format_offline(report: dict[str, Any]) -> str:
         changes = " ".join(other["changes"])
         lines += [f"{' against ' + changes + ' ':-^50}",
                   f"{'Output tok/s:':<40}{other['result']['output_tokens_per_s']:.1f}",
+                  *_rounds_lines(report, other["result"]),
                   *_spec_lines(other["result"]),
                   f"{'This engine / that one:':<40}{other['throughput_ratio']:.2f}",
                   ROOFLINE_HEADER]
