@@ -226,21 +226,26 @@ def test_offline_against_a_second_engine_reports_both(
 def test_offline_rounds_alternate_the_engines_and_report_totals(
         capsys: pytest.CaptureFixture[str], tiny_dummy_dir: Path) -> None:
     """`bench offline --rounds 3 --against ...`: each engine runs the workload three times,
-    in turn, and its throughput is the total over the rounds (not their mean)."""
+    other prompts each round (never a prefix-cache hit on a repeated prompt), the same ones
+    on both engines, and its throughput is the total over the rounds (not their mean)."""
     flags = _engine_flags(tiny_dummy_dir)
     report = _run_json(capsys, ["bench", "offline", "--json", "--num-requests", "4",
                                 "--roofline-batches", "--no-warmup", "--rounds", "3",
                                 "--against", "max_num_seqs=2", *flags])
     assert report["rounds"] == 3
-    for result in (report["result"], report["against"]["result"]):
-        each = result["rounds_output_tokens_per_s"]
-        assert len(each) == 3 and result["num_requests"] == 3 * 4
-        per_round = result["output_tokens"] / 3
-        assert result["output_tokens_per_s"] == pytest.approx(
-            result["output_tokens"] / sum(per_round / rate for rate in each))
+    result, other = report["result"], report["against"]["result"]
+    for summary in (result, other):
+        rounds = summary["rounds"]
+        assert len(rounds) == 3 and summary["num_requests"] == 3 * 4
+        assert summary["output_tokens"] == sum(r["output_tokens"] for r in rounds)
+        assert summary["output_tokens_per_s"] == pytest.approx(
+            summary["output_tokens"] / sum(r["duration_s"] for r in rounds))
+    assert [r["output_tokens"] for r in result["rounds"]] == \
+        [r["output_tokens"] for r in other["rounds"]]
+    # seeds 0, 1, 2: other requests each round
+    assert len({r["output_tokens"] for r in result["rounds"]}) > 1
     assert report["against"]["throughput_ratio"] == pytest.approx(
-        report["result"]["output_tokens_per_s"]
-        / report["against"]["result"]["output_tokens_per_s"])
+        result["output_tokens_per_s"] / other["output_tokens_per_s"])
 
 
 @pytest.mark.parametrize("text,message", [("kv_cache_dtype", "NAME=VALUE"),

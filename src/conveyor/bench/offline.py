@@ -264,17 +264,20 @@ def run_rounds(llms: list[LLM], workload: Any, rounds: int) -> list[list[Offline
     """The workload ``rounds`` times on each engine, the engines in turn (A, B, A, B, ...):
     a machine whose speed drifts by tens of percent within minutes (measured on a 2-core VM)
     then slows both sides of a ratio alike, where one engine's runs after the other's would
-    not."""
+    not. Round r takes the workload's seed + r: other prompts each round (a prompt run twice
+    would be a prefix-cache hit), the same ones on every engine."""
     runs: list[list[OfflineResult]] = [[] for _ in llms]
-    for _ in range(rounds):
+    for r in range(rounds):
+        this_round = replace(workload, seed=workload.seed + r)
         for llm, got in zip(llms, runs, strict=True):
-            got.append(run_workload(llm, workload))
+            got.append(run_workload(llm, this_round))
     return runs
 
 
 def _summary(runs: list[OfflineResult]) -> dict[str, Any]:
     return {**asdict(combined(runs)),
-            "rounds_output_tokens_per_s": [r.output_tokens_per_s for r in runs]}
+            "rounds": [{"output_tokens": r.output_tokens, "duration_s": r.duration_s,
+                        "output_tokens_per_s": r.output_tokens_per_s} for r in runs]}
 
 
 def _reference_ops(reference_llm: LLM, workload: Any, warmup: bool,
@@ -299,6 +302,8 @@ def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1,
     engine and the engine arguments it changes) its throughput, ratio and decode steps. The
     workload runs ``rounds`` times on each engine, in turn (``run_rounds``), and the
     throughputs are totals over the rounds."""
+    if not 1 <= rounds < WARMUP_SEED_OFFSET:  # the warm-up's seed must stay another one
+        raise ValueError(f"rounds must be in [1, {WARMUP_SEED_OFFSET}), got {rounds}")
     engines = [llm] if against is None else [llm, against[0]]
     if warmup:
         for engine in engines:
@@ -362,7 +367,7 @@ def _spec_lines(result: dict[str, Any]) -> list[str]:
 def _rounds_lines(report: dict[str, Any], result: dict[str, Any]) -> list[str]:
     if report.get("rounds", 1) == 1:
         return []
-    each = " ".join(f"{x:.1f}" for x in result["rounds_output_tokens_per_s"])
+    each = " ".join(f"{r['output_tokens_per_s']:.1f}" for r in result["rounds"])
     return [f"{'Rounds (output tok/s each):':<40}{each}"]
 
 
