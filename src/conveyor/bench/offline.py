@@ -300,8 +300,9 @@ def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1,
     ``reference_llm`` (the same engine arguments) also the workload through the torch
     reference ops instead of the C++ kernels, and the ratio; with ``against`` (a second
     engine and the engine arguments it changes) its throughput, ratio and decode steps. The
-    workload runs ``rounds`` times on each engine, in turn (``run_rounds``), and the
-    throughputs are totals over the rounds."""
+    workload runs ``rounds`` times on this engine and the ``against`` one, in turn
+    (``run_rounds``), and their throughputs are totals over the rounds (the reference-ops
+    engine runs it once)."""
     if not 1 <= rounds < WARMUP_SEED_OFFSET:  # the warm-up's seed must stay another one
         raise ValueError(f"rounds must be in [1, {WARMUP_SEED_OFFSET}), got {rounds}")
     engines = [llm] if against is None else [llm, against[0]]

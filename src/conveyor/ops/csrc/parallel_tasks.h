@@ -1,11 +1,12 @@
 // Tasks handed out from a shared counter in shrinking runs (OpenMP's schedule(guided)),
 // instead of at::parallel_for's one fixed share per thread, for tasks of unequal cost: decode
-// attention over requests of different lengths (fixed shares: one thread spinning at the end
-// of the region, up to 9 % of a 13-request decode step's samples; guided: the steps 1.05-1.1x
-// faster, Zen 4) and causal prefill attention. Each claim takes a quarter of a thread's share
-// of what is left, so the last runs are single tasks. The matmuls keep fixed shares: their
-// tasks cost the same, and a thread's contiguous share lets it prefetch its next task (guided
-// measured 1.05-1.1x slower there). A task's work never depends on the thread that runs it.
+// attention over requests of different lengths (fixed shares: one thread spinning at the
+// end of the region, up to 9 % of a 13-request decode step's samples; guided: such steps
+// 1.06-1.12x faster, Zen 4) and causal prefill attention. Each claim takes a quarter of a
+// thread's share of what is left, so the last runs are single tasks. The matmuls keep fixed
+// shares: their tasks cost the same, and a thread's contiguous share lets it prefetch its
+// next task (guided measured up to 1.1x slower there). A task's work never depends on the
+// thread that runs it.
 #pragma once
 
 #include <ATen/Parallel.h>

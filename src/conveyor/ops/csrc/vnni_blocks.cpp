@@ -213,9 +213,9 @@ void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], in
   }
   for (int64_t j = 0; j < groups; ++j) {
     const Record* r = Type == kQ8_0 ? nullptr : records.data() + j * p.blocks;
+    const uint8_t* rec = first[j];
     const int64_t col = n0 + j * kGroupRows;
     for (int64_t m = m0; m < m1; m += kVnniOuter) {
-      const uint8_t* rec = first[j];
       switch (std::min<int64_t>(kVnniOuter, m1 - m)) {
         case 1: record_tokens<Type, 1>(p, r, rec, stride, col, m); break;
         case 2: record_tokens<Type, 2>(p, r, rec, stride, col, m); break;
@@ -255,7 +255,8 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
       const int64_t here = std::min(per_task, groups - first);
       if (task + 1 < t1) {  // the next task's records into L2 while this one computes
         const int64_t next = ((task + 1) % tasks) * per_task;  // (1.08x at 4-32 rows, Zen 4)
-        prefetch_l2(w + next * p.blocks * record, std::min(per_task, groups - next) * p.blocks * record);
+        prefetch_l2(w + next * p.blocks * record,
+                    std::min(per_task, groups - next) * p.blocks * record);
       }
       const uint8_t* starts[kTaskGroups];
       for (int64_t j = 0; j < kTaskGroups; ++j)
