@@ -45,6 +45,7 @@ using at::BFloat16;
 using at::Half;
 #ifdef __AVX512F__
 using conveyor::exp16;
+using conveyor::prefetch_bytes;
 #endif
 
 template <typename T>
@@ -813,13 +814,6 @@ void read_kv_int8_impl(at::Tensor& k, at::Tensor& v, const at::Tensor& kv_cache,
   });
 }
 
-#ifdef __AVX512F__
-template <int Hint>
-inline void prefetch_bytes(const int8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
-}
-#endif
 // Head-blocks fetched ahead of the one being read (the blocks of a request lie anywhere).
 constexpr int64_t kInt8PrefetchBlocks = 2;
 

@@ -1,4 +1,5 @@
-// Vector code shared by the kernels (cpu_ops.cpp, quant_linear.cpp, prefill_attention.cpp).
+// Vector code shared by the kernels (cpu_ops.cpp, quant_linear.cpp, prefill_attention.cpp,
+// vnni_blocks.cpp).
 #pragma once
 
 #include <cstdint>
@@ -121,6 +122,15 @@ inline void transpose_pairs(uint32_t* out, const uint32_t* rows, int64_t n, int6
       float* dst = reinterpret_cast<float*>(out) + (b * row_tiles + tt) * 256;
       for (int64_t p = 0; p < 16; ++p) _mm512_storeu_ps(dst + p * 16, r[p]);
     }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Asks for bytes [p, p + bytes) with the prefetch hint Hint (_MM_HINT_T0: into L1, T1: L2).
+template <int Hint>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(static_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
 }
 #endif
 

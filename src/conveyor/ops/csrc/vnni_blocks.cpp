@@ -230,11 +230,6 @@ void vnni_task(const VnniCall& p, const uint8_t* const (&first)[kTaskGroups], in
   }
 }
 
-// Bytes [p, p + n) into L2.
-inline void prefetch_l2(const uint8_t* p, int64_t n) {
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-}
-
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = Type == kQ4_K ? kQ4KRecord : block_format(Type).record_bytes;
@@ -255,8 +250,8 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
       const int64_t here = std::min(per_task, groups - first);
       if (task + 1 < t1) {  // the next task's records into L2 while this one computes
         const int64_t next = ((task + 1) % tasks) * per_task;  // (1.08x at 4-32 rows, Zen 4)
-        prefetch_l2(w + next * p.blocks * record,
-                    std::min(per_task, groups - next) * p.blocks * record);
+        prefetch_bytes<_MM_HINT_T1>(w + next * p.blocks * record,
+                                    std::min(per_task, groups - next) * p.blocks * record);
       }
       const uint8_t* starts[kTaskGroups];
       for (int64_t j = 0; j < kTaskGroups; ++j)
@@ -286,7 +281,7 @@ int64_t token_stride(int64_t m) {
 // NaN, as the bf16 kernels' are (rounding NaN to an integer would give INT_MIN).
 template <int64_t Type>
 const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
-  const int64_t blocks = k / 32, count = token_stride(m) * blocks, stride = token_stride(m);
+  const int64_t blocks = k / 32, stride = token_stride(m), count = stride * blocks;
   static thread_local QuantizedTokens mine;
   QuantizedTokens& t = mine;  // the lambda below runs on other threads: not their `mine`
   if (t.init.size() < static_cast<size_t>(count)) {
