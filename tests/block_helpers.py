@@ -36,6 +36,15 @@ def random_q4k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
+def random_q6k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q6_K blocks of random weights (256 per block: 128 bytes of low nibbles, 64 of high bits,
+    16 int8 scales, d fp16): uint8 [rows, cols / 256, 210]."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(1e-4, 2e-3, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
 def bf16_weight(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     """What the loader makes of the blocks: gguf-py's float32 values, rounded to bf16."""
     rows = raw.shape[0]

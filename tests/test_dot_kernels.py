@@ -17,7 +17,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from block_helpers import TYPES, bf16_weight, masked_sdpa, random_blocks, random_q4k_blocks
+from block_helpers import (
+    TYPES,
+    bf16_weight,
+    masked_sdpa,
+    random_blocks,
+    random_q4k_blocks,
+    random_q6k_blocks,
+)
 from conveyor import ops
 
 
@@ -136,22 +143,51 @@ def test_int8_inputs_are_the_blocks_product_on_8_bit_inputs(vnni, qtype, rows) -
     assert 0 < error < 0.02  # the inputs' rounding shows, and stays small
 
 
-def test_int8_inputs_read_q4_k_blocks(vnni) -> None:
-    """Q4_K (llama.cpp's Q4_K_M files: 256 weights per block, a 6-bit scale and min per 32)
-    repacked per 32 with its exact float32 scales: the same product as on its dequantized
-    weights, but for the inputs' rounding, and the same bits for a row whatever the batch."""
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],
+                         ids=lambda t: t.name)
+def test_int8_inputs_read_k_quant_blocks(vnni, qtype) -> None:
+    """Q4_K and Q6_K (llama.cpp's Q4_K_M files: 256 weights per block; Q4_K a 6-bit scale and
+    min per 32, Q6_K 6-bit values and an int8 scale per 16) repacked per 32 with exact float32
+    scales: the same product as on the dequantized weights but for the inputs' rounding, on
+    both of the kernel's paths (up to 3 tokens, records read in place; more, unpacked), and
+    the same bits for a row whatever the batch."""
     rows, cols = 48, 512
-    raw = random_q4k_blocks(rows, cols, seed=7)
-    exact = torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q4_K).copy())
+    make = random_q4k_blocks if qtype == GGMLQuantizationType.Q4_K else random_q6k_blocks
+    raw = make(rows, cols, seed=7)
+    exact = torch.from_numpy(dequantize(raw.reshape(rows, -1), qtype).copy())
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    w = vnni.pack_vnni_blocks(torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K))
+    w = vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype))
     got = vnni.dot_linear(x, w, None)
     want = x.float() @ exact.T
     assert 0 < ((got.float() - want).abs().max() / want.abs().max()) < 0.02
-    for part in (slice(0, 1), slice(5, 8), slice(10, 50)):
+    for part in (slice(0, 1), slice(3, 5), slice(5, 8), slice(10, 50)):
         assert torch.equal(vnni.dot_linear(x[part], w, None), got[part])
-    with pytest.raises(RuntimeError, match=r"Q4_K blocks must be uint8 \[rows"):
-        vnni.pack_vnni_blocks(torch.zeros(16, 2, 20, dtype=torch.uint8), 12)
+    with pytest.raises(RuntimeError, match=rf"{qtype.name} blocks must be uint8 \[rows"):
+        vnni.pack_vnni_blocks(torch.zeros(16, 2, 20, dtype=torch.uint8), int(qtype))
+
+
+def test_int8_inputs_read_q4_k_and_q6_k_parts_as_one_weight(vnni) -> None:
+    """A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer): both
+    repacked to records of one kind (``k_mixed``) and concatenated, the product on the
+    parts' dequantized weights but for the inputs' rounding, as each type's own records
+    give it, on both of the kernel's paths."""
+    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
+    parts = [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
+             (GGMLQuantizationType.Q4_K, q4k[:16])]
+    exact = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
+                       for qtype, raw in parts])
+    w = torch.cat([vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype), True)
+                   for qtype, raw in parts])
+    own = vnni.pack_vnni_blocks(torch.from_numpy(q4k), int(GGMLQuantizationType.Q4_K))
+    for rows in (2, 13):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        got = vnni.dot_linear(x, w, None)
+        want = x.float() @ exact.T
+        assert 0 < ((got.float() - want).abs().max() / want.abs().max()) < 0.02
+        alone = vnni.dot_linear(x, own, None).float()  # Q4_K's own records
+        assert ((got[:, :48].float() - alone).abs() <= 2**-7 * alone.abs().max()).all()
+    with pytest.raises(RuntimeError, match="k_mixed records are for Q4_K and Q6_K"):
+        vnni.pack_vnni_blocks(torch.from_numpy(random_blocks(TYPES[0], 16, 32, 0)), 2, True)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -218,14 +218,15 @@ def _gguf_part(tensor: Any, part: Slice | None) -> np.ndarray | None:
 
 
 # Block formats the quantized matmuls read in place: GGML type -> bytes per block of 32
-# weights (Q4_K: of 256, read only with int8 inputs: model.layers.weights_per_block).
+# weights (Q4_K, Q6_K: of 256, read only with int8 inputs: model.layers.weights_per_block).
 BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
-               GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_K: 144}
+               GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_K: 144,
+               GGMLQuantizationType.Q6_K: 210}
 
 
 def gguf_block_weights(reader: GGUFReader, config: ModelConfig, plan: ShardPlan | None = None
                        ) -> dict[str, tuple[int, torch.Tensor]]:
-    """The matrices stored as Q4_0, Q4_1, Q8_0 or Q4_K blocks, undecoded: HF name -> (GGML
+    """The matrices stored as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks, undecoded: HF name -> (GGML
     type, uint8 [out, in / weights per block, bytes per block]), rows in HF order (rotary
     permutation undone).
     With a shard plan, this rank's part (a column slice that cuts blocks is left out: that

@@ -16,13 +16,14 @@ BLOCKS_TOLERANCE = 0.02
 # With int8 inputs the error is the inputs' rounding to 8 bits per 32 (1-2 % of the largest
 # output on random inputs for the default model's weights): the check is for a wrong layout.
 INT8_BLOCKS_TOLERANCE = 0.05
-# GGML's Q4_K: 256 weights per block (the other block types here hold 32); only the int8-input
-# kernels read it (repacked per 32, csrc/vnni_blocks.cpp).
-Q4_K = 12
+# GGML's Q4_K and Q6_K (llama.cpp's Q4_K_M files): 256 weights per block (the other block types
+# here hold 32); only the int8-input kernels read them (repacked per 32, csrc/vnni_blocks.cpp).
+Q4_K, Q6_K = 12, 14
+K_QUANTS = (Q4_K, Q6_K)
 
 
 def weights_per_block(qtype: int) -> int:
-    return 256 if qtype == Q4_K else 32
+    return 256 if qtype in K_QUANTS else 32
 
 
 class PackedLinear(nn.Module):
@@ -103,32 +104,53 @@ class PackedLinear(nn.Module):
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
           With ``int8_activations`` and AVX512-VNNI, bf16 inputs are quantized to int8 per
           block of 32 (``pack_vnni_blocks``): further from the dense results, as llama.cpp's
-          (checked close the same way). Q4_K only so.
+          (checked close the same way). Q4_K and Q6_K only so.
         """
-        gen = torch.Generator().manual_seed(0)
-        if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
-            return False
+        return self.use_block_parts([(qtype, raw)], int8_activations)
+
+    def use_block_parts(self, parts: list[tuple[int, torch.Tensor]],
+                        int8_activations: bool = False) -> bool:
+        """``use_blocks`` for a weight fused from parts (rows in order: q, k, v), each (GGML
+        type, blocks). Parts of one type are one weight; Q4_K and Q6_K parts (a Q4_K_M file's
+        q, k and v) are read with int8 inputs only, repacked to records of one kind."""
+        types = {qtype for qtype, _ in parts}
         int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
                 and cpu_kernels.vnni_blocks_available())
-        if qtype == Q4_K and not int8:
+        if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
+        if (types & set(K_QUANTS) and not int8) or (len(types) > 1 and not (
+                types <= set(K_QUANTS) and all(raw.shape[0] % 16 == 0 for _, raw in parts))):
+            return False
+        if len(types) > 1:  # records of 16 rows: each part a whole number of them
+            blocks = torch.cat([cpu_kernels.pack_vnni_blocks(raw, qtype, k_mixed=True)
+                                for qtype, raw in parts])
+            return self._take_blocks(blocks, int8)
+        raw, qtype = torch.cat([raw for _, raw in parts]), types.pop()
         if self.dot:
-            blocks = (cpu_kernels.pack_vnni_blocks(raw, qtype) if int8
-                      else cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype))
-            for rows in (1, 5):  # both of the kernel's paths (up to 3 tokens, and more)
-                x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-                got = cpu_kernels.dot_linear(x, blocks, self.bias).float()
-                want = self.dense(x).float()
-                tolerance = INT8_BLOCKS_TOLERANCE if int8 else BLOCKS_TOLERANCE
-                if not (got - want).abs().max() <= tolerance * want.abs().max():
-                    return False
-        else:
-            blocks = cpu_kernels.pack_block_weights(raw, qtype)
-            for rows in (1, 13, cpu_kernels.onednn_small_rows()):
-                x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-                got = cpu_kernels.quantized_linear(x, blocks, self.bias)
-                if not torch.equal(got, self.dense(x)):
-                    return False
+            return self._take_blocks(cpu_kernels.pack_vnni_blocks(raw, qtype) if int8
+                                     else cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype),
+                                     int8)
+        blocks = cpu_kernels.pack_block_weights(raw, qtype)
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 13, cpu_kernels.onednn_small_rows()):
+            x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
+            got = cpu_kernels.quantized_linear(x, blocks, self.bias)
+            if not torch.equal(got, self.dense(x)):
+                return False
+        self.blocks, self.int8_inputs = blocks, False
+        return True
+
+    def _take_blocks(self, blocks: torch.Tensor, int8: bool) -> bool:
+        """Keep the dot kernels' ``blocks`` if they hold this weight (close to the dense
+        results at 1 and 5 rows: both of the kernels' paths, up to 3 tokens and more)."""
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 5):
+            x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
+            got = cpu_kernels.dot_linear(x, blocks, self.bias).float()
+            want = self.dense(x).float()
+            tolerance = INT8_BLOCKS_TOLERANCE if int8 else BLOCKS_TOLERANCE
+            if not (got - want).abs().max() <= tolerance * want.abs().max():
+                return False
         self.blocks, self.int8_inputs = blocks, int8
         return True
 

@@ -251,8 +251,8 @@ class CausalLM(nn.Module):
         which the kernels then read in place (``PackedLinear.use_blocks``: small batches with
         AMX, every batch with the dot kernels). Needs bf16 weights and the C++ kernels with
         AMX or AVX512-BF16, or float32 weights and AVX2 (the backend's
-        ``quantized_matmuls``); a matmul whose parts are not all
-        blocks of one supported type keeps its dense weight. ``int8_activations``: with
+        ``quantized_matmuls``); a matmul whose parts are not all blocks of one supported type
+        (or, with int8 inputs, of Q4_K and Q6_K) keeps its dense weight. ``int8_activations``: with
         AVX512-VNNI and no AMX, the bf16 block matmuls quantize their inputs to int8. Returns
         how many matmuls took their blocks."""
         if not self.backend.quantized_matmuls:
@@ -265,15 +265,15 @@ class CausalLM(nn.Module):
         parts.append((self.lm_head, [head]))
         used = 0
         for linear, names in parts:
-            found = [blocks.get(name) for name in names]
-            types = {f[0] for f in found if f is not None}
-            if not isinstance(linear, PackedLinear) or None in found or len(types) != 1:
+            found = [f for f in (blocks.get(name) for name in names) if f is not None]
+            if not isinstance(linear, PackedLinear) or len(found) != len(names):
                 continue
-            raw, qtype = torch.cat([f[1] for f in found if f is not None]), types.pop()
-            if (raw.shape[0] != linear.out_features or raw.shape[0] % 16
-                    or raw.shape[1] * weights_per_block(qtype) != linear.in_features):
+            rows = sum(raw.shape[0] for _, raw in found)
+            if rows != linear.out_features or rows % 16 or any(
+                    raw.shape[1] * weights_per_block(qtype) != linear.in_features
+                    for qtype, raw in found):
                 continue
-            used += linear.use_blocks(raw, qtype, int8_activations)
+            used += linear.use_block_parts(found, int8_activations)
         self._weights_changed()
         return used
 

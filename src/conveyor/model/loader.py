@@ -92,8 +92,8 @@ class Checkpoint:
 
     def block_weights(self, plan: ShardPlan | None = None
                       ) -> dict[str, tuple[int, torch.Tensor]]:
-        """The matrices a GGUF file stores as Q4_0, Q4_1, Q8_0 or Q4_K blocks, undecoded (for
-        the quantized matmuls): HF name -> (GGML type, uint8 [out, in / weights per block,
+        """The matrices a GGUF file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks, undecoded
+        (for the quantized matmuls): HF name -> (GGML type, uint8 [out, in / weights per block,
         block bytes]). Empty for other formats. With a shard plan, this rank's parts."""
         return {} if self._block_source is None else self._block_source(plan)
 

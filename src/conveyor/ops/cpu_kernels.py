@@ -230,11 +230,12 @@ def pack_dot_blocks(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.
     return torch.ops.conveyor.pack_dot_blocks(raw, qtype, dtype)
 
 
-def pack_vnni_blocks(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K ``[out, in / 256, 144]``, repacked per 32) for
-    ``dot_linear`` on bf16 inputs quantized to int8 per block of 32 (int8 records:
-    ``csrc/vnni_blocks.cpp``)."""
-    return torch.ops.conveyor.pack_vnni_blocks(raw, qtype)
+def pack_vnni_blocks(raw: torch.Tensor, qtype: int, k_mixed: bool = False) -> torch.Tensor:
+    """GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K ``[out, in / 256, 144]`` and Q6_K ``[out, in / 256,
+    210]``, repacked per 32) for ``dot_linear`` on bf16 inputs quantized to int8 per block of
+    32 (int8 records: ``csrc/vnni_blocks.cpp``). ``k_mixed`` (Q4_K, Q6_K): records of one
+    kind for both, so that the parts of a matmul fused from the two types concatenate."""
+    return torch.ops.conveyor.pack_vnni_blocks(raw, qtype, k_mixed)
 
 
 def pack_block_weights(raw: torch.Tensor, qtype: int) -> torch.Tensor:

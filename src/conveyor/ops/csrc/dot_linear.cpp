@@ -153,6 +153,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
         &conveyor::pack_dot_blocks);
   m.def("pack_dot_weight(Tensor w) -> Tensor", &conveyor::pack_dot_weight);
   m.def("vnni_blocks_available() -> bool", &conveyor::vnni_blocks_available);
-  m.def("pack_vnni_blocks(Tensor raw, int type) -> Tensor", &conveyor::pack_vnni_blocks);
+  m.def("pack_vnni_blocks(Tensor raw, int type, bool k_mixed=False) -> Tensor",
+        &conveyor::pack_vnni_blocks);
   m.def("dot_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &conveyor::dot_linear);
 }

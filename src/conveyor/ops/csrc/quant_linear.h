@@ -49,7 +49,7 @@ at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const flo
 // built; raw blocks -> int8 records for dot_linear; dot_linear's path for them (x contiguous
 // bf16, bias float32 [N] or null).
 bool vnni_blocks_available();
-at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type);
+at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed);
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias);
 
 // The float32 family (f32_linear.cpp): whether it was built (AVX2 and FMA); lane tiles of a

@@ -1,5 +1,6 @@
 // Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
-// scales) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
+// scales, Q6_K per 32 with a scale per half; both, for a matmul fused from the two, in one
+// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
 // Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs, at every batch size
 // (dot_linear.cpp dispatches here; its notes on batch invariance hold).
 //
@@ -26,6 +27,7 @@
 //   Q4_0, Q4_1: q[4 quad pairs][16 rows][4] bytes: input 8p + t in byte t's low nibble,
 //               8p + 4 + t in its high one; d[16] fp16 (, m[16] fp16)   = 288 (320) bytes
 //   Q8_0:       q[8 quads][16 rows][4] bytes (value + 128), d[16] fp16   = 544 bytes
+//   Q4_K, Q6_K, both: 384, 512, 576 bytes (at their constants below)
 
 #include "quant_linear.h"
 
@@ -43,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace conveyor {
@@ -58,23 +61,45 @@ constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float a
 // and m[16] float32 = 384 bytes (a size no other record has).
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ4KRecord = 384;
+// Q6_K (GGML type 14: 256 weights per super-block, 6-bit values q, an int8 scale per 16, one
+// fp16 d; a weight is d * sc * (q - 32)) repacked per 32: the low nibbles as Q4's records hold
+// them (256 bytes), the 2 high bits of quads 4h..4h+3 in run h of 64 bytes (bits 2u, 2u + 1 of
+// a byte for quad 4h + u: 128 bytes), then d * sc of the block's two halves (inputs 0-15 and
+// 16-31) as float32 [16] each (exact) = 512 bytes (a size no other record has).
+constexpr int64_t kQ6_K = 14;
+constexpr int64_t kQ6KRecord = 512;
+// A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer) takes both as
+// 6-bit records with an m: Q6_K's record, then m[16] float32 (Q6_K rows: 0; Q4_K rows hold
+// q + 24, their halves' scales both d * sc and m = -dmin * m' + 8 * d * sc, so that
+// d * sc * (q + 24 - 32) + m is their weight) = 576 bytes (a size no other record has). Not a
+// GGML type: an id of ours.
+constexpr int64_t kKMixed = 1000;
+constexpr int64_t kKMixedRecord = 576;
 // Whether a type's records carry an m (its blocks' sums of x count).
-constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K; }
+constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
+// Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
+constexpr bool six_bit(int64_t type) { return type == kQ6_K || type == kKMixed; }
 
-constexpr int64_t vnni_scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
+constexpr int64_t vnni_scale_offset(int64_t type) {
+  return type == kQ8_0 ? 512 : six_bit(type) ? 384 : 256;
+}
 // The int32 sums count the 4-bit values from their middle (q - 8, Q4_1 too: its d * q + m is
 // d * (q - 8) + (m + 8d), whose large terms would otherwise cancel after the inputs' rounding).
-constexpr int32_t vnni_offset(int64_t type) { return type == kQ8_0 ? 128 : 8; }
+constexpr int32_t vnni_offset(int64_t type) {
+  return type == kQ8_0 ? 128 : six_bit(type) ? 32 : 8;
+}
 
 #ifdef CONVEYOR_VNNI
 
 // A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
-// scale, the int32 sum starts (-offset * sum qx) and (Q4_1) the float32 sums of x. The
-// tokens are the minor index, so a tile's tokens are one pointer and constant offsets.
+// scale, the int32 sum starts (-offset * sum qx; Q6_K: of each half) and (Q4_1) the float32
+// sums of x. The tokens are the minor index, so a tile's tokens are one pointer and constant
+// offsets.
 struct VnniCall {
   const int32_t* q;     // [blocks * 8 quads, stride]
   const float* dx;      // [blocks, stride]
-  const int32_t* init;  // [blocks, stride]
+  const int32_t* init;  // [blocks, stride] (Q6_K: of inputs 0-15)
+  const int32_t* init_b;  // Q6_K: of inputs 16-31, [blocks, stride]
   const float* sx;      // [blocks, stride]
   int64_t stride;       // token_stride(m)
   int64_t blocks, n;
@@ -83,14 +108,40 @@ struct VnniCall {
 };
 
 // One record (16 rows, one block) as the products read it: its 8 quads (bytes of inputs
-// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1, m + 8d.
+// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1, m + 8d (Q6_K: d * sc of
+// inputs 0-15 and of 16-31).
 struct Record {
   __m512i quads[8];
   __m512 d, mv;
 };
+// A 6-bit record's: d and db scale inputs 0-15 and 16-31; mv is kKMixed's m (Q6_K: unused).
+struct SixBitRecord : Record {
+  __m512 db;
+};
+template <int64_t Type>
+using RecordOf = std::conditional_t<six_bit(Type), SixBitRecord, Record>;
 
 template <int64_t Type>
-inline void unpack_record(const uint8_t* rec, Record& r) {
+inline void unpack_record(const uint8_t* rec, RecordOf<Type>& r) {
+  if constexpr (six_bit(Type)) {
+    const __m512i mask = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(rec + c * 64);
+      r.quads[2 * c] = _mm512_and_si512(v, mask);
+      r.quads[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    for (int64_t h = 0; h < 2; ++h) {  // quad 4h + u's high bits to bits 4, 5: low | (b & 0x30)
+      const __m512i b = _mm512_loadu_si512(rec + 256 + h * 64);
+      const __m512i at[4] = {_mm512_slli_epi16(b, 4), _mm512_slli_epi16(b, 2), b,
+                             _mm512_srli_epi16(b, 2)};
+      for (int64_t u = 0; u < 4; ++u)
+        r.quads[4 * h + u] = _mm512_ternarylogic_epi32(r.quads[4 * h + u], at[u], high, 0xF8);
+    }
+    r.d = _mm512_loadu_ps(rec + 384);
+    r.db = _mm512_loadu_ps(rec + 448);
+    r.mv = Type == kKMixed ? _mm512_loadu_ps(rec + 512) : _mm512_setzero_ps();
+    return;
+  }
   for (int64_t c = 0; c < 4; ++c) {
     if constexpr (Type == kQ8_0) {
       r.quads[2 * c] = _mm512_loadu_si512(rec + c * 128);
@@ -122,21 +173,56 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
   return acc;
 }
 
+// dot[i] += token i's products with quads [C0, C1) of a record (xq: token 0's quad 0, the
+// tokens' quads `stride` apart), the tokens' chains side by side.
+template <int C0, int C1, int MR>
+inline void add_quads(__m512i (&dot)[MR], const Record& r, const int32_t* xq, int64_t stride) {
+#pragma GCC unroll 8
+  for (int c = C0; c < C1; ++c)
+    for (int i = 0; i < MR; ++i) dot[i] = dpbusd_broadcast(dot[i], r.quads[c], xq + c * stride + i);
+}
+
+// A 6-bit record's block b for tokens [m0, m0 + MR): each half's int32 dot products (chains
+// of 4 vpdpbusd from -32 * the half's sum of qx), then sum += (d * dot_a + db * dot_b) * dx
+// (+ m * sx for kKMixed).
+template <int64_t Type, int MR>
+inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t b, int64_t m0,
+                               __m512 (&sums)[MR]) {
+  const int32_t* xq = p.q + b * 8 * p.stride + m0;
+  const int64_t at = b * p.stride + m0;
+  __m512i dot[MR];
+  __m512 half[MR];
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
+  add_quads<0, 4>(dot, r, xq, p.stride);
+  for (int i = 0; i < MR; ++i) {
+    half[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), r.d);
+    dot[i] = _mm512_set1_epi32(p.init_b[at + i]);
+  }
+  add_quads<4, 8>(dot, r, xq, p.stride);
+  for (int i = 0; i < MR; ++i) {
+    half[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), r.db, half[i]);
+    sums[i] = _mm512_fmadd_ps(half[i], _mm512_set1_ps(p.dx[at + i]), sums[i]);
+    if constexpr (has_min(Type))
+      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
+  }
+}
+
 // Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
 // token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
 // vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
 // Every path below runs exactly this for every output and block, in block order.
 template <int64_t Type, int MR>
-inline void add_record(const VnniCall& p, const Record& r, int64_t b, int64_t m0,
+inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, int64_t m0,
                        __m512 (&sums)[MR]) {
+  if constexpr (six_bit(Type)) {
+    add_six_bit_record<Type, MR>(p, r, b, m0, sums);
+    return;
+  }
   const int32_t* xq = p.q + b * 8 * p.stride + m0;  // token m0 + i's quad c: xq[c * stride + i]
   const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
   __m512i dot[MR];
   for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c)
-    for (int i = 0; i < MR; ++i)
-      dot[i] = dpbusd_broadcast(dot[i], r.quads[c], xq + c * p.stride + i);
+  add_quads<0, 8>(dot, r, xq, p.stride);
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
     sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
@@ -170,7 +256,7 @@ void streamed_tokens(const VnniCall& p, const uint8_t* const (&first)[kTaskGroup
   for (int64_t b = 0; b < p.blocks; ++b) {
     ahead.at(b);
     for (int j = 0; j < kTaskGroups; ++j) {
-      Record r;
+      RecordOf<Type> r;
       unpack_record<Type>(first[j] + b * stride, r);
       __m512 s[MR];
       for (int i = 0; i < MR; ++i) s[i] = sums[i][j];
@@ -186,14 +272,14 @@ void streamed_tokens(const VnniCall& p, const uint8_t* const (&first)[kTaskGroup
 // bytes to the next block; the LM head at 4-13 rows 1.1-1.2x faster than copying them out
 // first); the 4-bit types' were unpacked once (`records`, in block order).
 template <int64_t Type, int MR>
-void record_tokens(const VnniCall& p, const Record* records, const uint8_t* rec, int64_t stride,
-                   int64_t col, int64_t m0, const Ahead& ahead) {
+void record_tokens(const VnniCall& p, const RecordOf<Type>* records, const uint8_t* rec,
+                   int64_t stride, int64_t col, int64_t m0, const Ahead& ahead) {
   __m512 sums[MR];
   for (int i = 0; i < MR; ++i) sums[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     ahead.at(b);
     if constexpr (Type == kQ8_0) {
-      Record r;
+      RecordOf<Type> r;
       unpack_record<Type>(rec + b * stride, r);
       add_record<Type, MR>(p, r, b, m0, sums);
     } else {
@@ -218,7 +304,8 @@ struct VnniTask {
 // otherwise they are gone through a record and 8 tokens at a time (the 4-bit types' unpacked
 // once first, `records`: [group][block]), the next task's records fetched in the first pass.
 template <int64_t Type>
-void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed, std::vector<Record>& records) {
+void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
+               std::vector<RecordOf<Type>>& records) {
   const auto& [first, stride, groups, n0, m0, m1, ahead] = t;
   if (streamed) {
     switch (m1 - m0) {
@@ -235,7 +322,7 @@ void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed, std::vector<
         unpack_record<Type>(first[j] + b * stride, records[j * p.blocks + b]);
   }
   for (int64_t j = 0; j < groups; ++j) {
-    const Record* r = Type == kQ8_0 ? nullptr : records.data() + j * p.blocks;
+    const RecordOf<Type>* r = Type == kQ8_0 ? nullptr : records.data() + j * p.blocks;
     const uint8_t* rec = first[j];
     const int64_t col = n0 + j * kGroupRows;
     for (int64_t m = m0; m < m1; m += kVnniOuter) {
@@ -256,7 +343,10 @@ void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed, std::vector<
 
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
-  const int64_t record = Type == kQ4_K ? kQ4KRecord : block_format(Type).record_bytes;
+  const int64_t record = Type == kQ4_K     ? kQ4KRecord
+                         : Type == kQ6_K   ? kQ6KRecord
+                         : Type == kKMixed ? kKMixedRecord
+                                           : block_format(Type).record_bytes;
   const TokenPasses passes(m, kVnniPass);
   // Tasks: (token pass, outputs), pass-major, so a thread's run of tasks shares x's rows. A
   // few tokens take 64 outputs per task (their register tile); more go a record at a time
@@ -268,7 +358,7 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   std::vector<uint8_t> zeros(static_cast<size_t>(groups % per_task ? record * p.blocks : 0), 0);
   at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
     // Kept between calls: a fresh buffer this size would be new pages, faulted in every call.
-    static thread_local std::vector<Record> records;
+    static thread_local std::vector<RecordOf<Type>> records;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pass = task / tasks, first = (task % tasks) * per_task;
       VnniTask t{{}, record, std::min(per_task, groups - first), first * kGroupRows,
@@ -288,7 +378,7 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
 // layout: the calling thread's buffers, kept between calls (grown, never shrunk) so that
 // no call writes to fresh pages.
 struct QuantizedTokens {
-  std::vector<int32_t> q, init;
+  std::vector<int32_t> q, init, init_b;
   std::vector<float> dx, sx;
 };
 
@@ -309,6 +399,7 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
   if (t.init.size() < static_cast<size_t>(count)) {
     t.q.resize(static_cast<size_t>(count * 8));
     t.init.resize(static_cast<size_t>(count));
+    t.init_b.resize(static_cast<size_t>(count));
     t.dx.resize(static_cast<size_t>(count));
     t.sx.resize(static_cast<size_t>(count));
   }
@@ -327,7 +418,13 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
                                  : _mm512_setzero_si512();
       const __m512i qhi = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)))
                                  : _mm512_setzero_si512();
-      t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const __m512i both = _mm512_add_epi32(qlo, qhi);  // lanes 0-7: inputs 0-15
+      if constexpr (six_bit(Type)) {
+        t.init[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0x00FF, both);
+        t.init_b[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0xFF00, both);
+      } else {
+        t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(both);
+      }
       // Back to input order (even inputs in qlo, odd in qhi): word c = byte 2c | byte 2c + 1.
       const __m512i bytes = _mm512_set1_epi32(0xFF);
       const __m512i pairs = _mm512_or_si512(_mm512_and_si512(qlo, bytes),
@@ -367,43 +464,93 @@ void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
   }
 }
 
-// Q4_K super-blocks uint8 [N, K/256, 144] (d, dmin fp16; 12 scale bytes; 128 bytes of
-// nibbles: sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31) ->
-// per-32 records [N/16, K/32, 384] in the Q4 quad layout.
-at::Tensor pack_vnni_q4k(const at::Tensor& raw) {
-  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == 144 &&
+// One 32-weight block of a K-quant super-block, for a record row: its values, its halves'
+// scales (inputs 0-15 and 16-31) and its m (a weight is d * q + m; Q6_K: q - 32, m = 0).
+struct KBlock {
+  uint8_t q[32];
+  float da, db, m;
+};
+
+// Block j (0-7) of a Q4_K super-block (d, dmin fp16; 12 bytes of 6-bit scales and mins; 128
+// bytes of nibbles: blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31).
+void q4k_block(const uint8_t* blk, int64_t j, KBlock& k) {
+  uint16_t bits[2];
+  std::memcpy(bits, blk, 4);
+  const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+  const float dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+  int sc = 0, mn = 0;
+  q4k_scale_min(blk + 4, j, sc, mn);
+  k.da = k.db = d * static_cast<float>(sc);
+  k.m = -(dmin * static_cast<float>(mn));
+  const uint8_t* qs = blk + 16 + 32 * (j / 2);
+  for (int64_t l = 0; l < 32; ++l) k.q[l] = static_cast<uint8_t>((qs[l] >> (4 * (j & 1))) & 0xF);
+}
+
+// Block j (0-7) of a Q6_K super-block (ql[128], qh[64], int8 scales[16], d fp16; GGML's
+// dequantize_row_q6_K: per 128 weights, 64 bytes of low nibbles, weights 64-127 in the high
+// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1), values q - 32.
+void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
+  uint16_t bits;
+  std::memcpy(&bits, blk + 208, 2);
+  const float d = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  k.da = d * static_cast<float>(sc[2 * j]);
+  k.db = d * static_cast<float>(sc[2 * j + 1]);
+  k.m = 0.f;
+  const int64_t half = j / 4, quarter = j % 4;
+  for (int64_t l = 0; l < 32; ++l) {
+    const uint8_t low = blk[half * 64 + (quarter & 1) * 32 + l] >> (4 * (quarter >> 1)) & 0xF;
+    const uint8_t high = blk[128 + half * 32 + l] >> (2 * quarter) & 3;
+    k.q[l] = static_cast<uint8_t>(low | high << 4);
+  }
+}
+
+// Row i of a record: the values' low nibbles as Q4's records hold them (input 8p + t in byte t
+// of run p's low nibble, 8p + 4 + t in its high one); with six_bits, their high bits (run h:
+// quad 4h + u's in bits 2u, 2u + 1) and the halves' scales at 384 and 448, else (Q4_K) d at 256
+// and m at 320 (float32, exact).
+void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, bool six_bits) {
+  for (int64_t l = 0; l < 32; ++l) {
+    const int64_t quad = l / 4, byte = l % 4;
+    rec[((quad / 2) * kGroupRows + i) * 4 + byte] |=
+        static_cast<uint8_t>((k.q[l] & 0xF) << (4 * (quad & 1)));
+    if (six_bits)
+      rec[256 + ((quad / 4) * kGroupRows + i) * 4 + byte] |=
+          static_cast<uint8_t>((k.q[l] >> 4) << (2 * (quad % 4)));
+  }
+  std::memcpy(rec + (six_bits ? 384 : 256) + i * 4, &k.da, 4);
+  std::memcpy(rec + (six_bits ? 448 : 320) + i * 4, six_bits ? &k.db : &k.m, 4);
+}
+
+// Q4_K (uint8 [N, K/256, 144]) or Q6_K ([N, K/256, 210]) super-blocks -> per-32 records
+// [N/16, K/32, bytes]: their own (kQ4_K's, kQ6_K's), or with `mixed` kKMixed's.
+at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
+  const bool q6k = type == kQ6_K;
+  const int64_t bytes = q6k ? 210 : 144;
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == bytes &&
                   raw.size(0) % kGroupRows == 0,
-              "pack_vnni_blocks: Q4_K blocks must be uint8 [rows (a multiple of 16), in / 256, "
-              "144], got ", raw.sizes(), " ", raw.scalar_type());
+              "pack_vnni_blocks: ", q6k ? "Q6_K" : "Q4_K", " blocks must be uint8 [rows (a "
+              "multiple of 16), in / 256, ", bytes, "], got ", raw.sizes(), " ", raw.scalar_type());
   const int64_t n = raw.size(0), supers = raw.size(1), blocks = supers * 8;
+  const int64_t record = mixed ? kKMixedRecord : q6k ? kQ6KRecord : kQ4KRecord;
   const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kGroupRows, blocks, kQ4KRecord}, raw.options().dtype(at::kChar));
+  at::Tensor out = at::zeros({n / kGroupRows, blocks, record}, raw.options().dtype(at::kChar));
   const uint8_t* r = src.data_ptr<uint8_t>();
   auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
   at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = 0; i < kGroupRows; ++i)
-        for (int64_t sb = 0; sb < supers; ++sb) {
-          const uint8_t* blk = r + ((t * kGroupRows + i) * supers + sb) * 144;
-          uint16_t bits[2];
-          std::memcpy(bits, blk, 4);
-          const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
-          const float dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
-          for (int64_t j = 0; j < 8; ++j) {
-            uint8_t* rec = o + (t * blocks + sb * 8 + j) * kQ4KRecord;
-            int sc = 0, mn = 0;
-            q4k_scale_min(blk + 4, j, sc, mn);
-            const float dj = d * static_cast<float>(sc), mj = -(dmin * static_cast<float>(mn));
-            std::memcpy(rec + 256 + i * 4, &dj, 4);
-            std::memcpy(rec + 320 + i * 4, &mj, 4);
-            const uint8_t* qs = blk + 16 + 32 * (j / 2);  // low nibbles: j even; high: odd
-            const int shift = 4 * static_cast<int>(j & 1);
-            auto q = [&](int64_t l) { return static_cast<uint8_t>((qs[l] >> shift) & 0xF); };
-            for (int64_t p = 0; p < 4; ++p)
-              for (int64_t b = 0; b < 4; ++b)
-                rec[(p * kGroupRows + i) * 4 + b] =
-                    static_cast<uint8_t>(q(8 * p + b) | (q(8 * p + 4 + b) << 4));
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* blk = r + ((t * kGroupRows + i) * supers + b / 8) * bytes;
+          KBlock k;
+          (q6k ? q6k_block : q4k_block)(blk, b % 8, k);
+          uint8_t* rec = o + (t * blocks + b) * record;
+          if (mixed && !q6k) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
+            for (uint8_t& v : k.q) v = static_cast<uint8_t>(v + 24);
+            k.m += 8.f * k.da;
           }
+          put_k_row(rec, i, k, mixed || q6k);
+          if (mixed) std::memcpy(rec + 512 + i * 4, &k.m, 4);
         }
   });
   return out;
@@ -411,8 +558,10 @@ at::Tensor pack_vnni_q4k(const at::Tensor& raw) {
 
 }  // namespace
 
-at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
-  if (type == kQ4_K) return pack_vnni_q4k(raw);
+at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
+  if (type == kQ4_K || type == kQ6_K) return pack_vnni_k_quant(raw, type, k_mixed);
+  TORCH_CHECK(!k_mixed, "pack_vnni_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
+              "GGML type ", type);
   return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows, block_format(type).record_bytes,
                        vnni_scale_offset(type), at::kChar,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
@@ -429,23 +578,32 @@ at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type) {
 }
 
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t type = w.size(2) == kQ4KRecord ? kQ4_K : type_of_record(w.size(2), "dot_linear");
+  const int64_t type = w.size(2) == kQ4KRecord       ? kQ4_K
+                       : w.size(2) == kQ6KRecord     ? kQ6_K
+                       : w.size(2) == kKMixedRecord ? kKMixed
+                                                     : type_of_record(w.size(2), "dot_linear");
   const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  // The offset (8 but for Q8_0) and whether x's sums are needed depend on the type alone.
-  const QuantizedTokens& t = type == kQ8_0 ? quantize_tokens<kQ8_0>(xd, m, blocks * 32)
+  // The offset (8 but for Q8_0 and Q6_K), whether x's sums are needed and whether the sum
+  // starts are per half depend on the type alone.
+  const QuantizedTokens& t = type == kQ8_0   ? quantize_tokens<kQ8_0>(xd, m, blocks * 32)
+                             : type == kQ6_K ? quantize_tokens<kQ6_K>(xd, m, blocks * 32)
+                             : type == kKMixed ? quantize_tokens<kKMixed>(xd, m, blocks * 32)
                              : has_min(type) ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
                                              : quantize_tokens<kQ4_0>(xd, m, blocks * 32);
-  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), token_stride(m),
-                   blocks, n, bias, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
+  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.init_b.data(), t.sx.data(),
+                   token_stride(m), blocks, n, bias,
+                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
     case kQ4_0: vnni_run<kQ4_0>(p, wd, groups, m); break;
     case kQ4_1: vnni_run<kQ4_1>(p, wd, groups, m); break;
     case kQ4_K: vnni_run<kQ4_K>(p, wd, groups, m); break;
+    case kQ6_K: vnni_run<kQ6_K>(p, wd, groups, m); break;
+    case kKMixed: vnni_run<kKMixed>(p, wd, groups, m); break;
     default: vnni_run<kQ8_0>(p, wd, groups, m); break;
   }
 #else
