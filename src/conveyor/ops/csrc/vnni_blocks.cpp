@@ -1,21 +1,23 @@
 // Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
 // scales, Q6_K per 32 with a scale per half; both, for a matmul fused from the two, in one
-// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
-// Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs, at every batch size
-// (dot_linear.cpp dispatches here; its notes on batch invariance hold).
+// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI
+// and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs,
+// at every batch size (dot_linear.cpp dispatches here; its notes on batch invariance hold).
 //
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
 // same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
-// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m',
-// with s its stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and
-// m' = 0 but for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
-//   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
-// The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
-// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's float32 sum of x (not
-// quantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from
-// their middle keeps Q4_1's two terms from being large and cancelling (its weights' m is
-// about -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights.
+// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). vpdpbusd multiplies unsigned
+// bytes (the weights', in registers) by signed ones (the inputs', broadcast from memory), so
+// a weight's stored byte s is its value counted from an offset o: d * (s - o) (Q4_0: the 4-bit
+// q, o = 8; Q8_0: q + 128, o = 128). A block's sum is then the exact int32
+//   d * dx * sum_k (s_k - o) qx_k,   the int32 sum started at -o * sum_k qx_k.
+// Q4_1 (and Q4_K) weights are d * q + m, and their block's sum is llama.cpp's (Q4_1 x Q8_1):
+//   d * dx * sum_k q_k qx_k  +  m * (dx * sum_k qx_k),   the int32 sum started at 0
+// (its two terms are large and cancel, m being about -8d, but both are on the quantized
+// inputs, so the rounding errs by sum_k w_k (x_k - dx qx_k), as any int8 input's; a start
+// at -8 * sum qx, as above, costs a broadcast per token and block: 1.02-1.07x slower on the
+// workload, Zen 4).
 // Per block of 32 inputs, 16 rows and token: 8 vpdpbusd, then one conversion, one multiply
 // and one fused multiply-add (and one more for Q4_1), in the same order for an output
 // whatever the batch, tile or thread; a token's quantized inputs depend on that token
@@ -77,30 +79,33 @@ constexpr int64_t kKMixed = 1000;
 constexpr int64_t kKMixedRecord = 576;
 // Whether a type's records carry an m (its blocks' sums of x count).
 constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
+// Q4_1 and Q4_K: a block's sum is d * dx * sum q qx + m * dx * sum qx (see the top of the file):
+// the int32 sums start at 0, and the m term takes the quantized inputs' sum.
+constexpr bool quantized_sums(int64_t type) { return type == kQ4_1 || type == kQ4_K; }
 // Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
 constexpr bool six_bit(int64_t type) { return type == kQ6_K || type == kKMixed; }
 
 constexpr int64_t vnni_scale_offset(int64_t type) {
   return type == kQ8_0 ? 512 : six_bit(type) ? 384 : 256;
 }
-// The int32 sums count the 4-bit values from their middle (q - 8, Q4_1 too: its d * q + m is
-// d * (q - 8) + (m + 8d), whose large terms would otherwise cancel after the inputs' rounding).
+// The offset o a type's stored bytes are counted from (the top of the file; kKMixed: Q6_K's 32,
+// its Q4_K rows' q stored + 24, its m term on the exact sum of x).
 constexpr int32_t vnni_offset(int64_t type) {
-  return type == kQ8_0 ? 128 : six_bit(type) ? 32 : 8;
+  return type == kQ8_0 ? 128 : six_bit(type) ? 32 : quantized_sums(type) ? 0 : 8;
 }
 
 #ifdef CONVEYOR_VNNI
 
 // A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
-// scale, the int32 sum starts (-offset * sum qx; Q6_K: of each half) and (Q4_1) the float32
-// sums of x. The tokens are the minor index, so a tile's tokens are one pointer and constant
+// scale, the int32 sum starts (-offset * sum qx; Q6_K: of each half) and the sums the m terms
+// take (Q4_1, Q4_K: dx * sum qx; kKMixed: the float32 sum of x). The tokens are the minor index, so a tile's tokens are one pointer and constant
 // offsets.
 struct VnniCall {
   const int32_t* q;     // [blocks * 8 quads, stride]
   const float* dx;      // [blocks, stride]
   const int32_t* init;  // [blocks, stride] (Q6_K: of inputs 0-15)
   const int32_t* init_b;  // Q6_K: of inputs 16-31, [blocks, stride]
-  const float* sx;      // [blocks, stride]
+  const float* sx;      // [blocks, stride]: what the m terms multiply
   int64_t stride;       // token_stride(m)
   int64_t blocks, n;
   const float* bias;  // [n] or null
@@ -108,8 +113,7 @@ struct VnniCall {
 };
 
 // One record (16 rows, one block) as the products read it: its 8 quads (bytes of inputs
-// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1, m + 8d (Q6_K: d * sc of
-// inputs 0-15 and of 16-31).
+// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1 and Q4_K, m.
 struct Record {
   __m512i quads[8];
   __m512 d, mv;
@@ -155,12 +159,10 @@ inline void unpack_record(const uint8_t* rec, RecordOf<Type>& r) {
   const int64_t scales = vnni_scale_offset(Type);
   if constexpr (Type == kQ4_K) {
     r.d = _mm512_loadu_ps(rec + scales);
-    r.mv = _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f), _mm512_loadu_ps(rec + scales + 64));
+    r.mv = _mm512_loadu_ps(rec + scales + 64);
   } else {
     r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales)));
-    r.mv = Type == kQ4_1 ? _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f),
-                                           _mm512_cvtph_ps(_mm256_loadu_si256(
-                                               (const __m256i*)(rec + scales + 32))))
+    r.mv = Type == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales + 32)))
                          : _mm512_setzero_ps();
   }
 }
@@ -209,7 +211,7 @@ inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t
 
 // Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
 // token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
-// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
+// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ m * sx for Q4_1).
 // Every path below runs exactly this for every output and block, in block order.
 template <int64_t Type, int MR>
 inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, int64_t m0,
@@ -221,7 +223,8 @@ inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, in
   const int32_t* xq = p.q + b * 8 * p.stride + m0;  // token m0 + i's quad c: xq[c * stride + i]
   const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
   __m512i dot[MR];
-  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
+  for (int i = 0; i < MR; ++i)
+    dot[i] = quantized_sums(Type) ? _mm512_setzero_si512() : _mm512_set1_epi32(p.init[at + i]);
   add_quads<0, 8>(dot, r, xq, p.stride);
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
@@ -409,7 +412,8 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
       const __m512i words = _mm512_loadu_si512(x + i * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
-      if constexpr (has_min(Type)) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if constexpr (has_min(Type) && !quantized_sums(Type))
+        t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const bool finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
       const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
@@ -422,6 +426,8 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
       if constexpr (six_bit(Type)) {
         t.init[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0x00FF, both);
         t.init_b[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0xFF00, both);
+      } else if constexpr (quantized_sums(Type)) {
+        t.sx[at] = t.dx[at] * static_cast<float>(_mm512_reduce_add_epi32(both));
       } else {
         t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(both);
       }
