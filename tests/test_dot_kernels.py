@@ -102,8 +102,7 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
 def _int8_inputs_product(x: torch.Tensor, raw, qtype) -> torch.Tensor:
     """What vnni_blocks.cpp computes, spelled out in float64: each token's inputs per block of
     32 as int8 (dx = max |x| / 127, q = round(x * (127 / max |x|)) in float32), each block's
-    sum d * dx * sum (q_w - 8) q_x (Q8_0: the int8 q_w; Q4_1: its q_w, plus m * dx * sum q_x,
-    llama.cpp's Q4_1 x Q8_1)."""
+    sum d * dx * sum (q_w - 8) q_x (Q8_0: the int8 q_w), plus for Q4_1 (m + 8d) * sum x."""
     blocks = raw.shape[1]
     xf = x.float().view(x.shape[0], blocks, 32)
     amax = xf.abs().amax(-1, keepdim=True)
@@ -115,13 +114,12 @@ def _int8_inputs_product(x: torch.Tensor, raw, qtype) -> torch.Tensor:
         qw = torch.from_numpy(raw[..., 2:].view(np.int8).astype(np.float64))
     else:
         nibbles = raw[..., 4 if qtype == GGMLQuantizationType.Q4_1 else 2:]
-        qw = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], -1).astype(np.float64))
-        qw -= 0 if qtype == GGMLQuantizationType.Q4_1 else 8
+        qw = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], -1).astype(np.float64)) - 8
     ints = torch.einsum("mbk,nbk->mnb", qx, qw)  # exact: integers below 2^53
     y = (ints * d[None] * dx[..., 0][:, None, :]).sum(-1)
     if qtype == GGMLQuantizationType.Q4_1:
         m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
-        y += (m[None] * (dx[..., 0] * qx.sum(-1))[:, None, :]).sum(-1)
+        y += ((m + 8 * d)[None] * xf.double().sum(-1)[:, None, :]).sum(-1)
     return y
 
 

@@ -118,10 +118,11 @@ class PackedLinear(nn.Module):
                 and cpu_kernels.vnni_blocks_available())
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
-        if (types & set(K_QUANTS) and not int8) or (len(types) > 1 and not (
-                types <= set(K_QUANTS) and all(raw.shape[0] % 16 == 0 for _, raw in parts))):
+        if types & set(K_QUANTS) and not int8:
             return False
-        if len(types) > 1:  # records of 16 rows: each part a whole number of them
+        if len(types) > 1:  # Q4_K and Q6_K only; records of 16 rows, whole ones per part
+            if not types <= set(K_QUANTS) or any(raw.shape[0] % 16 for _, raw in parts):
+                return False
             blocks = torch.cat([cpu_kernels.pack_vnni_blocks(raw, qtype, k_mixed=True)
                                 for qtype, raw in parts])
             return self._take_blocks(blocks, int8)

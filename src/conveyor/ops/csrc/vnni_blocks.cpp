@@ -1,24 +1,25 @@
 // Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
 // scales, Q6_K per 32 with a scale per half; both, for a matmul fused from the two, in one
-// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI
-// and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs,
-// at every batch size (dot_linear.cpp dispatches here; its notes on batch invariance hold).
+// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
+// Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs, at every batch size
+// (dot_linear.cpp dispatches here; its notes on batch invariance hold).
 //
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
 // same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
-// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). vpdpbusd multiplies unsigned
-// bytes (the weights', in registers) by signed ones (the inputs', broadcast from memory), so
-// a weight's stored byte s is its value counted from an offset o: d * (s - o) (Q4_0: the 4-bit
-// q, o = 8; Q8_0: q + 128, o = 128). A block's sum is then the exact int32
-//   d * dx * sum_k (s_k - o) qx_k,   the int32 sum started at -o * sum_k qx_k.
-// Q4_1 (and Q4_K; Q6_K per half, m = -32d) weights are d * q + m, and their block's sum is
-// llama.cpp's (Q4_1 x Q8_1):
-//   d * dx * sum_k q_k qx_k  +  m * (dx * sum_k qx_k),   the int32 sum started at 0
-// (its two terms are large and cancel, m being about -8d, but both are on the quantized
-// inputs, so the rounding errs by sum_k w_k (x_k - dx qx_k), as any int8 input's; a start
-// at -8 * sum qx, as above, costs a broadcast per token and block: 1.02-1.07x slower on the
-// workload, Zen 4).
+// scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m',
+// with s its stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and
+// m' = 0 but for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
+//   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
+// The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
+// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's float32 sum of x (not
+// quantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from
+// their middle keeps Q4_1's two terms from being large and cancelling (its weights' m is
+// about -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights.
+// (llama.cpp's Q4_1 x Q8_1 form, d * dx * sum q qx + m * dx * sum qx, needs no int32 start
+// and ran the workload 1.02-1.07x faster, but errs by (m + 8d) * sum (x - dx qx) more: the
+// default model's first token for "What is the capital of France?" moved 0.43 nats off
+// float32's, and its greedy answer from Paris to "L'Etoile, la Marseillaise, ...".)
 // Per block of 32 inputs, 16 rows and token: 8 vpdpbusd, then one conversion, one multiply
 // and one fused multiply-add (and one more for Q4_1), in the same order for an output
 // whatever the batch, tile or thread; a token's quantized inputs depend on that token
@@ -72,42 +73,38 @@ constexpr int64_t kQ4KRecord = 384;
 constexpr int64_t kQ6_K = 14;
 constexpr int64_t kQ6KRecord = 512;
 // A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer) takes both as
-// 6-bit records with an m per half: Q6_K's record, then m[16] of inputs 0-15 and of 16-31,
-// float32 (Q4_K rows: their values as they are, d * sc for both halves' scales and -dmin * m'
-// for both m; Q6_K rows: -32 * each half's d * sc) = 640 bytes (a size no other record has).
-// Not a GGML type: an id of ours.
+// 6-bit records with an m: Q6_K's record, then m[16] float32 (Q6_K rows: 0; Q4_K rows hold
+// q + 24, their halves' scales both d * sc and m = -dmin * m' + 8 * d * sc, so that
+// d * sc * (q + 24 - 32) + m is their weight) = 576 bytes (a size no other record has). Not a
+// GGML type: an id of ours.
 constexpr int64_t kKMixed = 1000;
-constexpr int64_t kKMixedRecord = 640;
-// Whether a type's records carry an m (a weight is d * q + m): their blocks' sums are
-// d * dx * sum q qx + m * dx * sum qx (see the top of the file), the int32 sums from 0 (Q6_K's
-// m is -32 * d, per half).
-constexpr bool has_min(int64_t type) {
-  return type == kQ4_1 || type == kQ4_K || type == kQ6_K || type == kKMixed;
-}
+constexpr int64_t kKMixedRecord = 576;
+// Whether a type's records carry an m (its blocks' sums of x count).
+constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
 // Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
 constexpr bool six_bit(int64_t type) { return type == kQ6_K || type == kKMixed; }
 
 constexpr int64_t vnni_scale_offset(int64_t type) {
   return type == kQ8_0 ? 512 : six_bit(type) ? 384 : 256;
 }
-// The offset o a type's stored bytes are counted from (the top of the file): types with an m
-// have none.
+// The int32 sums count the 4-bit values from their middle (q - 8, Q4_1 too: its d * q + m is
+// d * (q - 8) + (m + 8d), whose large terms would otherwise cancel after the inputs' rounding).
 constexpr int32_t vnni_offset(int64_t type) {
-  return type == kQ8_0 ? 128 : has_min(type) ? 0 : 8;
+  return type == kQ8_0 ? 128 : six_bit(type) ? 32 : 8;
 }
 
 #ifdef CONVEYOR_VNNI
 
 // A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
-// scale, the int32 sum starts (-offset * sum qx) or the sums the m terms take (dx * sum qx;
-// 6-bit records: of each half). The tokens are the minor index, so a tile's tokens are one pointer and constant
+// scale, the int32 sum starts (-offset * sum qx; Q6_K: of each half) and (Q4_1) the float32
+// sums of x. The tokens are the minor index, so a tile's tokens are one pointer and constant
 // offsets.
 struct VnniCall {
   const int32_t* q;     // [blocks * 8 quads, stride]
   const float* dx;      // [blocks, stride]
   const int32_t* init;  // [blocks, stride] (Q6_K: of inputs 0-15)
-  const float* sx;      // [blocks, stride]: what the m terms multiply (6-bit: inputs 0-15's)
-  const float* sx_b;    // 6-bit records: inputs 16-31's, [blocks, stride]
+  const int32_t* init_b;  // Q6_K: of inputs 16-31, [blocks, stride]
+  const float* sx;      // [blocks, stride]
   int64_t stride;       // token_stride(m)
   int64_t blocks, n;
   const float* bias;  // [n] or null
@@ -115,14 +112,15 @@ struct VnniCall {
 };
 
 // One record (16 rows, one block) as the products read it: its 8 quads (bytes of inputs
-// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1 and Q4_K, m.
+// 4c..4c+3, one 32-bit lane per row), its scales d and, for Q4_1, m + 8d (Q6_K: d * sc of
+// inputs 0-15 and of 16-31).
 struct Record {
   __m512i quads[8];
   __m512 d, mv;
 };
-// A 6-bit record's: d and db scale inputs 0-15 and 16-31, mv and mb are their m.
+// A 6-bit record's: d and db scale inputs 0-15 and 16-31; mv is kKMixed's m (Q6_K: unused).
 struct SixBitRecord : Record {
-  __m512 db, mb;
+  __m512 db;
 };
 template <int64_t Type>
 using RecordOf = std::conditional_t<six_bit(Type), SixBitRecord, Record>;
@@ -145,9 +143,7 @@ inline void unpack_record(const uint8_t* rec, RecordOf<Type>& r) {
     }
     r.d = _mm512_loadu_ps(rec + 384);
     r.db = _mm512_loadu_ps(rec + 448);
-    const __m512 minus32 = _mm512_set1_ps(-32.f);  // Q6_K's d * (q - 32): m = -32d, exact
-    r.mv = Type == kKMixed ? _mm512_loadu_ps(rec + 512) : _mm512_mul_ps(r.d, minus32);
-    r.mb = Type == kKMixed ? _mm512_loadu_ps(rec + 576) : _mm512_mul_ps(r.db, minus32);
+    r.mv = Type == kKMixed ? _mm512_loadu_ps(rec + 512) : _mm512_setzero_ps();
     return;
   }
   for (int64_t c = 0; c < 4; ++c) {
@@ -163,10 +159,12 @@ inline void unpack_record(const uint8_t* rec, RecordOf<Type>& r) {
   const int64_t scales = vnni_scale_offset(Type);
   if constexpr (Type == kQ4_K) {
     r.d = _mm512_loadu_ps(rec + scales);
-    r.mv = _mm512_loadu_ps(rec + scales + 64);
+    r.mv = _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f), _mm512_loadu_ps(rec + scales + 64));
   } else {
     r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales)));
-    r.mv = Type == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + scales + 32)))
+    r.mv = Type == kQ4_1 ? _mm512_fmadd_ps(r.d, _mm512_set1_ps(8.f),
+                                           _mm512_cvtph_ps(_mm256_loadu_si256(
+                                               (const __m256i*)(rec + scales + 32))))
                          : _mm512_setzero_ps();
   }
 }
@@ -189,7 +187,8 @@ inline void add_quads(__m512i (&dot)[MR], const Record& r, const int32_t* xq, in
 }
 
 // A 6-bit record's block b for tokens [m0, m0 + MR): each half's int32 dot products (chains
-// of 4 vpdpbusd from 0), then sum += (d * dot_a + db * dot_b) * dx + m_a * sx_a + m_b * sx_b.
+// of 4 vpdpbusd from -32 * the half's sum of qx), then sum += (d * dot_a + db * dot_b) * dx
+// (+ m * sx for kKMixed).
 template <int64_t Type, int MR>
 inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t b, int64_t m0,
                                __m512 (&sums)[MR]) {
@@ -197,24 +196,24 @@ inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t
   const int64_t at = b * p.stride + m0;
   __m512i dot[MR];
   __m512 half[MR];
-  for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
   add_quads<0, 4>(dot, r, xq, p.stride);
   for (int i = 0; i < MR; ++i) {
     half[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), r.d);
-    dot[i] = _mm512_setzero_si512();
+    dot[i] = _mm512_set1_epi32(p.init_b[at + i]);
   }
   add_quads<4, 8>(dot, r, xq, p.stride);
   for (int i = 0; i < MR; ++i) {
     half[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), r.db, half[i]);
     sums[i] = _mm512_fmadd_ps(half[i], _mm512_set1_ps(p.dx[at + i]), sums[i]);
-    sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
-    sums[i] = _mm512_fmadd_ps(r.mb, _mm512_set1_ps(p.sx_b[at + i]), sums[i]);
+    if constexpr (has_min(Type))
+      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
   }
 }
 
 // Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
 // token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
-// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ m * sx for Q4_1).
+// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
 // Every path below runs exactly this for every output and block, in block order.
 template <int64_t Type, int MR>
 inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, int64_t m0,
@@ -226,8 +225,7 @@ inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, in
   const int32_t* xq = p.q + b * 8 * p.stride + m0;  // token m0 + i's quad c: xq[c * stride + i]
   const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
   __m512i dot[MR];
-  for (int i = 0; i < MR; ++i)
-    dot[i] = has_min(Type) ? _mm512_setzero_si512() : _mm512_set1_epi32(p.init[at + i]);
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
   add_quads<0, 8>(dot, r, xq, p.stride);
   for (int i = 0; i < MR; ++i) {
     const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
@@ -276,7 +274,7 @@ void streamed_tokens(const VnniCall& p, const uint8_t* const (&first)[kTaskGroup
 // y rows [m0, m0 + MR), the 16 outputs from col: one record's blocks, the sums in registers.
 // Q8_0's records hold their quads as they are and are read where they lie (`rec`, `stride`
 // bytes to the next block; the LM head at 4-13 rows 1.1-1.2x faster than copying them out
-// first); the 4-bit types' were unpacked once (`records`, in block order).
+// first); the others' were unpacked once (`records`, in block order).
 template <int64_t Type, int MR>
 void record_tokens(const VnniCall& p, const RecordOf<Type>* records, const uint8_t* rec,
                    int64_t stride, int64_t col, int64_t m0, const Ahead& ahead) {
@@ -307,7 +305,7 @@ struct VnniTask {
 };
 
 // A task: `streamed` (passes of up to kVnniStreamed tokens) reads the records in place;
-// otherwise they are gone through a record and 8 tokens at a time (the 4-bit types' unpacked
+// otherwise they are gone through a record and 8 tokens at a time (all but Q8_0's unpacked
 // once first, `records`: [group][block]), the next task's records fetched in the first pass.
 template <int64_t Type>
 void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
@@ -384,8 +382,8 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
 // layout: the calling thread's buffers, kept between calls (grown, never shrunk) so that
 // no call writes to fresh pages.
 struct QuantizedTokens {
-  std::vector<int32_t> q, init;
-  std::vector<float> dx, sx, sx_b;
+  std::vector<int32_t> q, init, init_b;
+  std::vector<float> dx, sx;
 };
 
 // The distance between one block's (or quad's) tokens and the next's: m for a few tokens (a
@@ -405,7 +403,7 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
   if (t.init.size() < static_cast<size_t>(count)) {
     t.q.resize(static_cast<size_t>(count * 8));
     t.init.resize(static_cast<size_t>(count));
-    t.sx_b.resize(static_cast<size_t>(count));
+    t.init_b.resize(static_cast<size_t>(count));
     t.dx.resize(static_cast<size_t>(count));
     t.sx.resize(static_cast<size_t>(count));
   }
@@ -415,6 +413,7 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
       const __m512i words = _mm512_loadu_si512(x + i * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+      if constexpr (has_min(Type)) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const bool finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
       const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
@@ -425,10 +424,8 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
                                  : _mm512_setzero_si512();
       const __m512i both = _mm512_add_epi32(qlo, qhi);  // lanes 0-7: inputs 0-15
       if constexpr (six_bit(Type)) {
-        t.sx[at] = t.dx[at] * static_cast<float>(_mm512_mask_reduce_add_epi32(0x00FF, both));
-        t.sx_b[at] = t.dx[at] * static_cast<float>(_mm512_mask_reduce_add_epi32(0xFF00, both));
-      } else if constexpr (has_min(Type)) {
-        t.sx[at] = t.dx[at] * static_cast<float>(_mm512_reduce_add_epi32(both));
+        t.init[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0x00FF, both);
+        t.init_b[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0xFF00, both);
       } else {
         t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(both);
       }
@@ -471,11 +468,11 @@ void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
   }
 }
 
-// One 32-weight block of a K-quant super-block, for a record row: its values and its halves'
-// (inputs 0-15 and 16-31) scales and m: a weight is d * q + m.
+// One 32-weight block of a K-quant super-block, for a record row: its values, its halves'
+// scales (inputs 0-15 and 16-31) and its m (a weight is d * q + m; Q6_K: q - 32, m = 0).
 struct KBlock {
   uint8_t q[32];
-  float da, db, ma, mb;
+  float da, db, m;
 };
 
 // Block j (0-7) of a Q4_K super-block (d, dmin fp16; 12 bytes of 6-bit scales and mins; 128
@@ -488,14 +485,14 @@ void q4k_block(const uint8_t* blk, int64_t j, KBlock& k) {
   int sc = 0, mn = 0;
   q4k_scale_min(blk + 4, j, sc, mn);
   k.da = k.db = d * static_cast<float>(sc);
-  k.ma = k.mb = -(dmin * static_cast<float>(mn));
+  k.m = -(dmin * static_cast<float>(mn));
   const uint8_t* qs = blk + 16 + 32 * (j / 2);
   for (int64_t l = 0; l < 32; ++l) k.q[l] = static_cast<uint8_t>((qs[l] >> (4 * (j & 1))) & 0xF);
 }
 
 // Block j (0-7) of a Q6_K super-block (ql[128], qh[64], int8 scales[16], d fp16; GGML's
 // dequantize_row_q6_K: per 128 weights, 64 bytes of low nibbles, weights 64-127 in the high
-// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1): d * (q - 32).
+// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1), values q - 32.
 void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
   uint16_t bits;
   std::memcpy(&bits, blk + 208, 2);
@@ -503,8 +500,7 @@ void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
   const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
   k.da = d * static_cast<float>(sc[2 * j]);
   k.db = d * static_cast<float>(sc[2 * j + 1]);
-  k.ma = -32.f * k.da;
-  k.mb = -32.f * k.db;
+  k.m = 0.f;
   const int64_t half = j / 4, quarter = j % 4;
   for (int64_t l = 0; l < 32; ++l) {
     const uint8_t low = blk[half * 64 + (quarter & 1) * 32 + l] >> (4 * (quarter >> 1)) & 0xF;
@@ -527,7 +523,7 @@ void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, bool six_bits) {
           static_cast<uint8_t>((k.q[l] >> 4) << (2 * (quad % 4)));
   }
   std::memcpy(rec + (six_bits ? 384 : 256) + i * 4, &k.da, 4);
-  std::memcpy(rec + (six_bits ? 448 : 320) + i * 4, six_bits ? &k.db : &k.ma, 4);
+  std::memcpy(rec + (six_bits ? 448 : 320) + i * 4, six_bits ? &k.db : &k.m, 4);
 }
 
 // Q4_K (uint8 [N, K/256, 144]) or Q6_K ([N, K/256, 210]) super-blocks -> per-32 records
@@ -553,11 +549,12 @@ at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
           KBlock k;
           (q6k ? q6k_block : q4k_block)(blk, b % 8, k);
           uint8_t* rec = o + (t * blocks + b) * record;
-          put_k_row(rec, i, k, mixed || q6k);
-          if (mixed) {
-            std::memcpy(rec + 512 + i * 4, &k.ma, 4);
-            std::memcpy(rec + 576 + i * 4, &k.mb, 4);
+          if (mixed && !q6k) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
+            for (uint8_t& v : k.q) v = static_cast<uint8_t>(v + 24);
+            k.m += 8.f * k.da;
           }
+          put_k_row(rec, i, k, mixed || q6k);
+          if (mixed) std::memcpy(rec + 512 + i * 4, &k.m, 4);
         }
   });
   return out;
@@ -594,14 +591,14 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  // The offset (8 but for Q8_0; none with an m), and whether the m terms' sums are per half,
-  // depend on the type alone.
+  // The offset (8 but for Q8_0 and Q6_K), whether x's sums are needed and whether the sum
+  // starts are per half depend on the type alone.
   const QuantizedTokens& t = type == kQ8_0   ? quantize_tokens<kQ8_0>(xd, m, blocks * 32)
                              : type == kQ6_K ? quantize_tokens<kQ6_K>(xd, m, blocks * 32)
                              : type == kKMixed ? quantize_tokens<kKMixed>(xd, m, blocks * 32)
                              : has_min(type) ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
                                              : quantize_tokens<kQ4_0>(xd, m, blocks * 32);
-  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.sx.data(), t.sx_b.data(),
+  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.init_b.data(), t.sx.data(),
                    token_stride(m), blocks, n, bias,
                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
