@@ -105,7 +105,7 @@ def test_a_k_quant_matmul_reads_its_blocks_with_int8_inputs_only(qtype: int) -> 
 
 def _write_k_quant_gguf(path: str) -> None:
     """A 2-layer llama GGUF laid out as llama.cpp's Q4_K_M files are: Q4_K matrices, Q6_K for
-    attn_v, ffn_down and the LM head (random blocks of weights a few hundredths in size),
+    attn_v, ffn_down and the LM head (random blocks, weights up to a few tenths),
     float16 embeddings, float32 norms; 256 and 512 features (K-quants hold 256 a block)."""
     import gguf
 

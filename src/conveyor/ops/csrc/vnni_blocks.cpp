@@ -492,7 +492,7 @@ void q4k_block(const uint8_t* blk, int64_t j, KBlock& k) {
 
 // Block j (0-7) of a Q6_K super-block (ql[128], qh[64], int8 scales[16], d fp16; GGML's
 // dequantize_row_q6_K: per 128 weights, 64 bytes of low nibbles, weights 64-127 in the high
-// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1), values q - 32.
+// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1): d * (q - 32).
 void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
   uint16_t bits;
   std::memcpy(&bits, blk + 208, 2);
