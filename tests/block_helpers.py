@@ -1,7 +1,10 @@
 """GGUF blocks of random weights and what the loader makes of them, for the matmul kernels'
-tests (test_amx.py, test_dot_kernels.py), and the masked-SDPA oracle of prefill attention."""
+tests (test_amx.py, test_dot_kernels.py), the comparison of a block-matmul model's first tokens
+with its dense weights', and the masked-SDPA oracle of prefill attention."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +46,18 @@ def random_q6k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
     raw[..., 208:210] = rng.uniform(1e-4, 2e-3, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     return raw
+
+
+def assert_first_tokens_close(blocks: list[Any], weights: list[Any], tolerance: float) -> None:
+    """Each prompt's first-token top logprobs (CompletionOutputs with ``logprobs``) with block
+    matmuls against the dense weights': at least 3 of the top tokens shared, each within
+    ``tolerance`` nats."""
+    for mine, theirs in zip(blocks, weights, strict=True):
+        want = {t: lp.logprob for t, lp in (theirs.logprobs or [{}])[0].items()}
+        got = {t: lp.logprob for t, lp in (mine.logprobs or [{}])[0].items()}
+        shared = want.keys() & got.keys()
+        assert len(shared) >= 3
+        assert max(abs(want[t] - got[t]) for t in shared) < tolerance
 
 
 def bf16_weight(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:

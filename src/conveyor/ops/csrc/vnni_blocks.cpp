@@ -79,6 +79,21 @@ constexpr int64_t kQ6KRecord = 512;
 // GGML type: an id of ours.
 constexpr int64_t kKMixed = 1000;
 constexpr int64_t kKMixedRecord = 576;
+
+// A type's record bytes; the kernel knows a packed weight's type by them.
+inline int64_t vnni_record_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_K: return kQ4KRecord;
+    case kQ6_K: return kQ6KRecord;
+    case kKMixed: return kKMixedRecord;
+    default: return block_format(type).record_bytes;
+  }
+}
+inline int64_t vnni_type_of_record(int64_t bytes) {
+  for (int64_t type : {kQ4_K, kQ6_K, kKMixed})
+    if (vnni_record_bytes(type) == bytes) return type;
+  return type_of_record(bytes, "dot_linear");
+}
 // Whether a type's records carry an m (its blocks' sums of x count).
 constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
 // Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
@@ -347,10 +362,7 @@ void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
 
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
-  const int64_t record = Type == kQ4_K     ? kQ4KRecord
-                         : Type == kQ6_K   ? kQ6KRecord
-                         : Type == kKMixed ? kKMixedRecord
-                                           : block_format(Type).record_bytes;
+  const int64_t record = vnni_record_bytes(Type);
   const TokenPasses passes(m, kVnniPass);
   // Tasks: (token pass, outputs), pass-major, so a thread's run of tasks shares x's rows. A
   // few tokens take 64 outputs per task (their register tile); more go a record at a time
@@ -536,7 +548,7 @@ at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
               "pack_vnni_blocks: ", q6k ? "Q6_K" : "Q4_K", " blocks must be uint8 [rows (a "
               "multiple of 16), in / 256, ", bytes, "], got ", raw.sizes(), " ", raw.scalar_type());
   const int64_t n = raw.size(0), supers = raw.size(1), blocks = supers * 8;
-  const int64_t record = mixed ? kKMixedRecord : q6k ? kQ6KRecord : kQ4KRecord;
+  const int64_t record = vnni_record_bytes(mixed ? kKMixed : type);
   const at::Tensor src = raw.contiguous();
   at::Tensor out = at::zeros({n / kGroupRows, blocks, record}, raw.options().dtype(at::kChar));
   const uint8_t* r = src.data_ptr<uint8_t>();
@@ -582,10 +594,7 @@ at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
 }
 
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t type = w.size(2) == kQ4KRecord       ? kQ4_K
-                       : w.size(2) == kQ6KRecord     ? kQ6_K
-                       : w.size(2) == kKMixedRecord ? kKMixed
-                                                     : type_of_record(w.size(2), "dot_linear");
+  const int64_t type = vnni_type_of_record(w.size(2));
   const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_VNNI
