@@ -1,6 +1,7 @@
 """GGUF blocks of random weights and what the loader makes of them, for the matmul kernels'
-tests (test_amx.py, test_dot_kernels.py), the comparison of a block-matmul model's first tokens
-with its dense weights', and the masked-SDPA oracle of prefill attention."""
+tests (test_amx.py, test_dot_kernels.py, test_f32_kernels.py), a written Q4_K_M-style GGUF, the
+comparison of a block-matmul model's first tokens with its dense weights', and the masked-SDPA
+oracle of prefill attention."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from conveyor.model.gguf_loader import BLOCK_BYTES
+from conveyor.model.layers import Q4_K, Q6_K
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -46,6 +48,52 @@ def random_q6k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
     raw[..., 208:210] = rng.uniform(1e-4, 2e-3, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     return raw
+
+
+def write_k_quant_gguf(path: str) -> None:
+    """A 2-layer llama GGUF laid out as llama.cpp's Q4_K_M files are: Q4_K matrices, Q6_K for
+    attn_v, ffn_down and the LM head (random blocks, weights up to a few tenths),
+    float16 embeddings, float32 norms; 256 and 512 features (K-quants hold 256 a block)."""
+    import gguf
+
+    hidden, ffn, rng = 256, 512, np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 512),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 5e5),
+                       (writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2)):
+        add(value)
+
+    def blocks(qtype: int, rows: int, cols: int) -> np.ndarray:
+        if qtype == Q4_K:
+            raw = random_q4k_blocks(rows, cols, seed=int(rng.integers(1 << 30)))
+            at, scale = (0, 2), 2e-4  # d and dmin
+        else:
+            raw = random_q6k_blocks(rows, cols, seed=int(rng.integers(1 << 30)))
+            at, scale = (208,), 1e-4  # d
+        for a in at:
+            raw[..., a:a + 2] = (rng.uniform(0.5, 1.0, raw.shape[:2]) * scale).astype(
+                np.float16)[..., None].view(np.uint8)
+        return raw.reshape(rows, -1)
+
+    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (49152, hidden)).astype(np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", blocks(Q6_K, 49152, hidden), raw_dtype=GGMLQuantizationType.Q6_K)
+    shapes = {"attn_q": (Q4_K, hidden, hidden), "attn_k": (Q4_K, 128, hidden),
+              "attn_v": (Q6_K, 128, hidden), "attn_output": (Q4_K, hidden, hidden),
+              "ffn_gate": (Q4_K, ffn, hidden), "ffn_up": (Q4_K, ffn, hidden),
+              "ffn_down": (Q6_K, hidden, ffn)}
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+        for name, (qtype, rows, cols) in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", blocks(qtype, rows, cols),
+                              raw_dtype=GGMLQuantizationType(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def assert_first_tokens_close(blocks: list[Any], weights: list[Any], tolerance: float) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from block_helpers import TYPES, random_blocks
+from block_helpers import TYPES, random_blocks, random_q4k_blocks, random_q6k_blocks
 from conveyor import ops
 
 # (start, rows) slices of a 300-row call: alone, decode-sized, and over a token pass (64 rows).
@@ -85,6 +86,54 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
                                                    torch.float32), None)
     assert want.abs().max() > 0.1  # a real product, not zeros
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _k_quant_parts() -> dict[str, list[tuple[GGMLQuantizationType, object]]]:
+    """Q4_K alone, Q6_K alone, and a weight fused from both (a Q4_K_M file's q, k and v)."""
+    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
+    return {"Q4_K": [(GGMLQuantizationType.Q4_K, q4k)],
+            "Q6_K": [(GGMLQuantizationType.Q6_K, q6k)],
+            "both": [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
+                     (GGMLQuantizationType.Q4_K, q4k[:16])]}
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "both"])
+def test_k_quant_blocks_are_the_exact_gguf_weights(kops, lanes, kind) -> None:
+    """Q4_K and Q6_K (llama.cpp's Q4_K_M files), repacked per 32 with float32 scales (Q6_K's
+    per 16 inputs: two sums per block), and a weight fused from both in records of one kind
+    (``k_mixed``): the product with gguf-py's float32 weights to float32 accuracy, on both
+    ways of reading the blocks, the same bits for a row whatever the batch, on 8 and 16
+    lanes."""
+    parts = _k_quant_parts()[kind]
+    mixed = len(parts) > 1
+    w = torch.cat([kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.float32, mixed)
+                   for qtype, raw in parts])
+    exact_w = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
+                         for qtype, raw in parts])
+    x = torch.randn(150, 512, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(exact_w.shape[0], generator=torch.Generator().manual_seed(4))
+    together = kops.dot_linear(x, w, bias)
+    want = _exact(x, exact_w, bias)
+    assert want.abs().max() > 0.1  # a real product, not zeros
+    assert (together.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for start, rows in [(0, 1), (7, 2), (10, 3), (10, 5), (40, 64), (1, 149)]:
+        part = slice(start, start + rows)
+        assert torch.equal(kops.dot_linear(x[part], w, bias), together[part])
+        if lanes == 16:
+            kops.f32_vector_lanes(8)
+            assert torch.equal(kops.dot_linear(x[part], w, bias), together[part])
+            kops.f32_vector_lanes(16)
+
+
+def test_k_quant_records_are_refused_where_they_do_not_apply(kops) -> None:
+    raw = torch.from_numpy(random_q4k_blocks(16, 256, seed=0))
+    with pytest.raises(RuntimeError, match="k_mixed records are for Q4_K and Q6_K"):
+        kops.pack_dot_blocks(torch.from_numpy(random_blocks(TYPES[0], 16, 32, 0)), 2,
+                             torch.float32, True)
+    with pytest.raises(RuntimeError, match="k_mixed records are float32's"):
+        kops.pack_dot_blocks(raw, 12, torch.bfloat16, True)
+    with pytest.raises(RuntimeError, match=r"Q6_K blocks must be uint8 \[rows \(a multiple of 8"):
+        kops.pack_dot_blocks(torch.zeros(8, 2, 20, dtype=torch.uint8), 14, torch.float32)
 
 
 @pytest.fixture

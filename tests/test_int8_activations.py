@@ -10,13 +10,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from block_helpers import assert_first_tokens_close, random_q4k_blocks, random_q6k_blocks
+from block_helpers import (
+    assert_first_tokens_close,
+    random_q4k_blocks,
+    random_q6k_blocks,
+    write_k_quant_gguf,
+)
 from conftest_models import default_gguf, hf_tokenizer_folder
 from conveyor import LLM, SamplingParams, ops
 from conveyor.model.layers import Q4_K, Q6_K, PackedLinear
@@ -103,70 +107,30 @@ def test_a_k_quant_matmul_reads_its_blocks_with_int8_inputs_only(qtype: int) -> 
     assert 0 < (got - want).abs().max() < 0.02 * want.abs().max()
 
 
-def _write_k_quant_gguf(path: str) -> None:
-    """A 2-layer llama GGUF laid out as llama.cpp's Q4_K_M files are: Q4_K matrices, Q6_K for
-    attn_v, ffn_down and the LM head (random blocks, weights up to a few tenths),
-    float16 embeddings, float32 norms; 256 and 512 features (K-quants hold 256 a block)."""
-    import gguf
-
-    hidden, ffn, rng = 256, 512, np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 5e5),
-                       (writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2)):
-        add(value)
-
-    def blocks(qtype: int, rows: int, cols: int) -> np.ndarray:
-        if qtype == Q4_K:
-            raw = random_q4k_blocks(rows, cols, seed=int(rng.integers(1 << 30)))
-            at, scale = (0, 2), 2e-4  # d and dmin
-        else:
-            raw = random_q6k_blocks(rows, cols, seed=int(rng.integers(1 << 30)))
-            at, scale = (208,), 1e-4  # d
-        for a in at:
-            raw[..., a:a + 2] = (rng.uniform(0.5, 1.0, raw.shape[:2]) * scale).astype(
-                np.float16)[..., None].view(np.uint8)
-        return raw.reshape(rows, -1)
-
-    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (49152, hidden)).astype(np.float16))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    writer.add_tensor("output.weight", blocks(Q6_K, 49152, hidden), raw_dtype=GGMLQuantizationType.Q6_K)
-    shapes = {"attn_q": (Q4_K, hidden, hidden), "attn_k": (Q4_K, 128, hidden),
-              "attn_v": (Q6_K, 128, hidden), "attn_output": (Q4_K, hidden, hidden),
-              "ffn_gate": (Q4_K, ffn, hidden), "ffn_up": (Q4_K, ffn, hidden),
-              "ffn_down": (Q6_K, hidden, ffn)}
-    for i in range(2):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
-        for name, (qtype, rows, cols) in shapes.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", blocks(qtype, rows, cols),
-                              raw_dtype=GGMLQuantizationType(qtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def test_a_q4_k_m_file_reads_every_matmuls_blocks_with_int8_inputs(tmp_path: Path) -> None:
-    """Every matmul of a Q4_K_M-style file reads its blocks with int8 inputs (q, k and v fused
-    from Q4_K and Q6_K parts too), and the first token's distribution is the bf16 weights' but
-    for the inputs' rounding (each matmul's ~0.6 %, which this random model's nearly flat
-    logits, top tokens at ~1.5 %, turn into up to ~0.15 in a logprob; a wrong layout or scale
-    gives other tokens)."""
-    if not ops.vnni_blocks_available():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_q4_k_m_file_reads_every_matmuls_blocks(tmp_path: Path, dtype: str) -> None:
+    """Every matmul of a Q4_K_M-style file reads its blocks (q, k and v fused from Q4_K and
+    Q6_K parts too): in bf16 with int8 inputs, in float32 (CPUs with AVX2 only) on float32
+    inputs. The first token's distribution is the dense weights' (in bf16, but for the
+    inputs' rounding: each matmul's ~0.6 %, which this random model's nearly flat logits, top
+    tokens at ~1.5 %, turn into up to ~0.15 in a logprob; in float32 the same weights exactly,
+    summed in another order; a wrong layout or scale gives other tokens)."""
+    if dtype == "bfloat16" and not ops.vnni_blocks_available():
         pytest.skip("int8 inputs need AVX512-VNNI and no AMX (bf16 block matmuls)")
+    if dtype == "float32" and not ops.f32_kernels_available():
+        pytest.skip("the float32 kernels need AVX2 and FMA")
     path = str(tmp_path / "tiny-q4_k_m.gguf")
-    _write_k_quant_gguf(path)
+    write_k_quant_gguf(path)
     prompts = [{"prompt_token_ids": [5 + i, 900 + 7 * i, 31, 4000 + i]} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     outputs = {}
     for quantized in (True, False):
         llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), kv_cache_memory="8MiB",
-                  quantized_matmuls=quantized)
+                  dtype=dtype, quantized_matmuls=quantized)
         linears = _matmuls(llm)
         assert len(linears) == 9  # 2 x (qkv, o, gate_up, down) and the LM head
-        assert all((m.blocks is not None and m.int8_inputs) == quantized for m in linears)
+        assert all((m.blocks is not None) == quantized for m in linears)
+        assert all(m.int8_inputs == (quantized and dtype == "bfloat16") for m in linears)
         outputs[quantized] = [o.outputs[0] for o in llm.generate(prompts, params)]
-    assert_first_tokens_close(outputs[True], outputs[False], tolerance=0.3)
+    assert_first_tokens_close(outputs[True], outputs[False],
+                              tolerance=0.3 if dtype == "bfloat16" else 1e-3)

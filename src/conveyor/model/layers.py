@@ -17,7 +17,8 @@ BLOCKS_TOLERANCE = 0.02
 # output on random inputs for the default model's weights): the check is for a wrong layout.
 INT8_BLOCKS_TOLERANCE = 0.05
 # GGML's Q4_K and Q6_K (llama.cpp's Q4_K_M files): 256 weights per block (the other block types
-# here hold 32); only the int8-input kernels read them (repacked per 32, csrc/vnni_blocks.cpp).
+# here hold 32); the int8-input and float32 kernels read them (repacked per 32,
+# csrc/vnni_blocks.cpp, csrc/f32_linear.cpp), the bf16-input and AMX ones do not.
 Q4_K, Q6_K = 12, 14
 K_QUANTS = (Q4_K, Q6_K)
 
@@ -104,7 +105,7 @@ class PackedLinear(nn.Module):
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
           With ``int8_activations`` and AVX512-VNNI, bf16 inputs are quantized to int8 per
           block of 32 (``pack_vnni_blocks``): further from the dense results, as llama.cpp's
-          (checked close the same way). Q4_K and Q6_K only so.
+          (checked close the same way). Q4_K and Q6_K with int8 inputs or in float32 only.
         """
         return self.use_block_parts([(qtype, raw)], int8_activations)
 
@@ -112,25 +113,28 @@ class PackedLinear(nn.Module):
                         int8_activations: bool = False) -> bool:
         """``use_blocks`` for a weight fused from parts (rows in order: q, k, v), each (GGML
         type, blocks). Parts of one type are one weight; Q4_K and Q6_K parts (a Q4_K_M file's
-        q, k and v) are read with int8 inputs only, repacked to records of one kind."""
+        q, k and v) are read with int8 inputs or in float32, repacked to records of one kind."""
         types = {qtype for qtype, _ in parts}
         int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
                 and cpu_kernels.vnni_blocks_available())
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
-        if types & set(K_QUANTS) and not int8:
+        if types & set(K_QUANTS) and not (int8 or (self.dot and self.dtype == torch.float32)):
             return False
+
+        def pack(raw: torch.Tensor, qtype: int, k_mixed: bool = False) -> torch.Tensor:
+            if int8:
+                return cpu_kernels.pack_vnni_blocks(raw, qtype, k_mixed)
+            return cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype, k_mixed)
+
         if len(types) > 1:  # Q4_K and Q6_K only; records of 16 rows, whole ones per part
             if not types <= set(K_QUANTS) or any(raw.shape[0] % 16 for _, raw in parts):
                 return False
-            blocks = torch.cat([cpu_kernels.pack_vnni_blocks(raw, qtype, k_mixed=True)
-                                for qtype, raw in parts])
-            return self._take_blocks(blocks, int8)
+            return self._take_blocks(torch.cat([pack(raw, qtype, k_mixed=True)
+                                                for qtype, raw in parts]), int8)
         raw, qtype = torch.cat([raw for _, raw in parts]), types.pop()
         if self.dot:
-            return self._take_blocks(cpu_kernels.pack_vnni_blocks(raw, qtype) if int8
-                                     else cpu_kernels.pack_dot_blocks(raw, qtype, self.dtype),
-                                     int8)
+            return self._take_blocks(pack(raw, qtype), int8)
         blocks = cpu_kernels.pack_block_weights(raw, qtype)
         gen = torch.Generator().manual_seed(0)
         for rows in (1, 13, cpu_kernels.onednn_small_rows()):

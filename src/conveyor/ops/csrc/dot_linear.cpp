@@ -84,10 +84,13 @@ at::Tensor pack_dot_weight(const at::Tensor& w) {
       .transpose(1, 2).contiguous();
 }
 
-at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype) {
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype,
+                           bool k_mixed) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "pack_dot_blocks: dtype must be bfloat16 or float32, got ", dtype);
-  return dtype == at::kFloat ? pack_f32_blocks(raw, type) : pack_bf16_blocks(raw, type);
+  if (dtype == at::kFloat) return pack_f32_blocks(raw, type, k_mixed);
+  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are float32's");
+  return pack_bf16_blocks(raw, type);
 }
 
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
@@ -149,7 +152,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("dot_linear_available() -> bool", &conveyor::dot_linear_available);
   m.def("f32_linear_available() -> bool", &conveyor::f32_linear_available);
   m.def("f32_vector_lanes(int lanes=0) -> int", &conveyor::f32_vector_lanes);
-  m.def("pack_dot_blocks(Tensor raw, int type, ScalarType dtype) -> Tensor",
+  m.def("pack_dot_blocks(Tensor raw, int type, ScalarType dtype, bool k_mixed=False) -> Tensor",
         &conveyor::pack_dot_blocks);
   m.def("pack_dot_weight(Tensor w) -> Tensor", &conveyor::pack_dot_weight);
   m.def("vnni_blocks_available() -> bool", &conveyor::vnni_blocks_available);

@@ -15,14 +15,20 @@
 // are exact as floats, so the block's sum is taken over them and the scales factored out, as
 // the AVX512-BF16 kernel does (dot_blocks.cpp),
 //   y[m, n] = sum over blocks b of ( d[n, b] * sum_k q[n, k] x[m, k] + m[n, b] * sum_k x[m, k] )
-// (the m term for Q4_1 only; Q4_0's values are q - 8): the exact GGUF weights. A few tokens
-// convert each block's values in registers; more tokens convert a block once into L1 and sweep
-// it: both run `add_block`, the same operations in the same order.
+// (the m term for Q4_1 and Q4_K only; Q4_0's values are q - 8; Q6_K's q - 32, with one d per
+// half block: two sums of 16): the exact GGUF weights. A few tokens convert each block's values
+// in registers; more tokens convert a block once into L1 and sweep it: both run `add_block`,
+// the same operations in the same order.
 //
 // Records, per 8 output rows and 32-input block, input-major:
 //   Q4_0, Q4_1: q[16 pairs][8 rows] bytes (input 2c in the low nibble, 2c + 1 in the high),
 //               d[8] fp16 (, m[8] fp16)                        = 144 (160) bytes
 //   Q8_0:       q[32 inputs][8 rows] int8, d[8] fp16             = 272 bytes
+//   Q4_K:       Q4_1's nibbles, d * sc[8] and -dmin * m[8] float32 (exact)      = 192 bytes
+//   Q6_K:       q - 32 as Q8_0's int8, d * sc of inputs 0-15 [8] and of 16-31 [8] float32
+//                                                                = 320 bytes
+//   both (a matmul fused from Q4_K and Q6_K parts, kKMixed): Q6_K's record (Q4_K rows: q and
+//               d * sc twice), then m[8] float32 (Q6_K rows: 0)  = 352 bytes
 
 #include "quant_linear.h"
 
@@ -49,7 +55,7 @@ constexpr int64_t kLanes = 8;      // output rows of a lane tile (and of a recor
 constexpr int64_t kF32Pass = 64;   // tokens per pass over a task's weights
 
 struct RecordFormat {
-  int64_t q_bytes;  // where d begins (then m, for Q4_1)
+  int64_t q_bytes;  // where the scales begin (d; then m, for Q4_1)
   int64_t bytes;
 };
 
@@ -58,16 +64,26 @@ RecordFormat record_format(int64_t type) {
     case kQ4_0: return {128, 144};
     case kQ4_1: return {128, 160};
     case kQ8_0: return {256, 272};
+    case kQ4_K: return {128, 192};
+    case kQ6_K: return {256, 320};
+    case kKMixed: return {256, 352};
     default: TORCH_CHECK(false, "f32 blocks: GGML type ", type,
-                         " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
+                         " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14)");
   }
 }
 
 int64_t type_of_f32_record(int64_t bytes) {
-  for (int64_t type : {kQ4_0, kQ4_1, kQ8_0})
+  for (int64_t type : {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K, kKMixed})
     if (record_format(type).bytes == bytes) return type;
   TORCH_CHECK(false, "dot_linear: w is not from pack_dot_blocks (", bytes, "-byte records)");
 }
+
+// What a type's records hold: an m (the blocks' input sums count), float32 scales (the
+// K-quants: fp16 otherwise), a scale per half block, values as int8 (else as nibbles).
+constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
+constexpr bool float_scales(int64_t type) { return type == kQ4_K || type == kQ6_K || type == kKMixed; }
+constexpr bool half_scales(int64_t type) { return type == kQ6_K || type == kKMixed; }
+constexpr bool byte_values(int64_t type) { return type == kQ8_0 || half_scales(type); }
 
 #ifdef CONVEYOR_AVX2
 
@@ -255,7 +271,7 @@ struct Records {
   // Inputs 2c and 2c + 1 of the register's rows, as floats (exact).
   void pair(int64_t j, int64_t b, int64_t c, T& even, T& odd) const {
     const uint8_t *a = tile(j, b, 0), *z = tile(j, b, V::kTiles - 1);
-    if constexpr (Type == kQ8_0) {
+    if constexpr (byte_values(Type)) {
       even = V::floats(V::bytes_s(a + c * 16, z + c * 16));
       odd = V::floats(V::bytes_s(a + c * 16 + 8, z + c * 16 + 8));
     } else {
@@ -268,13 +284,20 @@ struct Records {
       }
     }
   }
-  T scale(int64_t j, int64_t b) const {
-    const int64_t q = record_format(Type).q_bytes;
-    return V::halves(tile(j, b, 0) + q, tile(j, b, V::kTiles - 1) + q);
+  // The record's scales from byte `at` on: 8 floats (or fp16 values) per tile.
+  T scales_at(int64_t j, int64_t b, int64_t at) const {
+    const uint8_t *a = tile(j, b, 0) + at, *z = tile(j, b, V::kTiles - 1) + at;
+    if constexpr (float_scales(Type))
+      return V::tiles(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(z));
+    else
+      return V::halves(a, z);
   }
-  T min(int64_t j, int64_t b) const {  // after the 8 scales (Q4_1)
-    const int64_t q = record_format(Type).q_bytes + 16;
-    return V::halves(tile(j, b, 0) + q, tile(j, b, V::kTiles - 1) + q);
+  // d (of inputs 0-15 where the halves have their own), that of inputs 16-31, then m.
+  T scale(int64_t j, int64_t b) const { return scales_at(j, b, record_format(Type).q_bytes); }
+  T scale_b(int64_t j, int64_t b) const { return scales_at(j, b, record_format(Type).q_bytes + 32); }
+  T min(int64_t j, int64_t b) const {
+    const int64_t width = float_scales(Type) ? 32 : 16;  // bytes of a tile's 8 scales
+    return scales_at(j, b, record_format(Type).q_bytes + width * (half_scales(Type) ? 2 : 1));
   }
 };
 
@@ -284,34 +307,33 @@ struct BlockWeights {
   using T = typename V::T;
   static constexpr int64_t kWidth = V::kTiles * kLanes;
   alignas(64) float q[V::kRegs][32][kWidth];
-  T scales[V::kRegs], mins[V::kRegs];
+  T scales[V::kRegs], scales_b[V::kRegs], mins[V::kRegs];
   void pair(int64_t j, int64_t /*b*/, int64_t c, T& even, T& odd) const {
     even = V::load(q[j][2 * c]);
     odd = V::load(q[j][2 * c + 1]);
   }
   T scale(int64_t j, int64_t /*b*/) const { return scales[j]; }
+  T scale_b(int64_t j, int64_t /*b*/) const { return scales_b[j]; }
   T min(int64_t j, int64_t /*b*/) const { return mins[j]; }
 };
 
 struct Call {
   const float* x;   // [m, k]
-  const float* sx;  // [m, blocks]: each block's input sum (Q4_1)
+  const float* sx;  // [m, blocks]: each block's input sum (types with an m)
   int64_t k, blocks, n;
   const float* bias;  // [n] or null
   float* y;           // [m, n]
 };
 
-// Tokens [m0, m0 + MR) take block b into their sums: its 32 inputs into block sums, then
-// sum += d * block sum (+ m * the block's input sum). Both ways of walking the blocks run
-// exactly this, so an output's operations do not depend on the number of tokens.
-template <class V, int64_t Type, int MR, class Weights>
-inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
-                      typename V::T (&sums)[MR][V::kRegs]) {
-  typename V::T blk[MR][V::kRegs];
+// Pairs [c0, c1) of block b (inputs 2 * c0 .. 2 * c1 - 1) into tokens [m0, m0 + MR)'s block
+// sums, from zero.
+template <class V, int MR, class Weights>
+inline void block_pairs(const Call& p, const Weights& w, int64_t b, int64_t m0, int64_t c0,
+                        int64_t c1, typename V::T (&blk)[MR][V::kRegs]) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < V::kRegs; ++j) blk[i][j] = V::zero();
   const float* xr = p.x + m0 * p.k + b * 32;
-  for (int64_t c = 0; c < 16; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     typename V::T even[V::kRegs], odd[V::kRegs];
     for (int j = 0; j < V::kRegs; ++j) w.pair(j, b, c, even[j], odd[j]);
     for (int i = 0; i < MR; ++i) {
@@ -321,10 +343,30 @@ inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
       for (int j = 0; j < V::kRegs; ++j) blk[i][j] = V::fma(x1, odd[j], blk[i][j]);
     }
   }
+}
+
+// Tokens [m0, m0 + MR) take block b into their sums: its 32 inputs into block sums, then
+// sum += d * block sum (per half block with two scales: d * the first 16's + db * the last
+// 16's), + m * the block's input sum for types with an m. Both ways of walking the blocks run
+// exactly this, so an output's operations do not depend on the number of tokens.
+template <class V, int64_t Type, int MR, class Weights>
+inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
+                      typename V::T (&sums)[MR][V::kRegs]) {
+  typename V::T blk[MR][V::kRegs];
+  block_pairs<V, MR>(p, w, b, m0, 0, half_scales(Type) ? 8 : 16, blk);
   for (int j = 0; j < V::kRegs; ++j) {
     const typename V::T d = w.scale(j, b);
     for (int i = 0; i < MR; ++i) sums[i][j] = V::fma(blk[i][j], d, sums[i][j]);
-    if constexpr (Type == kQ4_1) {
+  }
+  if constexpr (half_scales(Type)) {
+    block_pairs<V, MR>(p, w, b, m0, 8, 16, blk);
+    for (int j = 0; j < V::kRegs; ++j) {
+      const typename V::T d = w.scale_b(j, b);
+      for (int i = 0; i < MR; ++i) sums[i][j] = V::fma(blk[i][j], d, sums[i][j]);
+    }
+  }
+  if constexpr (has_min(Type)) {
+    for (int j = 0; j < V::kRegs; ++j) {
       const typename V::T mv = w.min(j, b);
       for (int i = 0; i < MR; ++i)
         sums[i][j] = V::fma(mv, V::set1(p.sx[(m0 + i) * p.blocks + b]), sums[i][j]);
@@ -371,7 +413,8 @@ void blocks_outer(const Call& p, const Records<V, Type>& r, int64_t here, int64_
         V::store(w.q[j][2 * c + 1], odd);
       }
       w.scales[j] = r.scale(j, b);
-      if constexpr (Type == kQ4_1) w.mins[j] = r.min(j, b);
+      if constexpr (half_scales(Type)) w.scales_b[j] = r.scale_b(j, b);
+      if constexpr (has_min(Type)) w.mins[j] = r.min(j, b);
     }
     for (int64_t m = m0; m < m1; m += V::kTokens) {
       float* a = acc.data() + (m - m0) * V::kRegs * width;
@@ -428,12 +471,15 @@ void linear(const float* x, const at::Tensor& w, bool blocks, const float* bias,
     return;
   }
   const int64_t type = type_of_f32_record(w.size(2)), nb = w.size(1), tiles = w.size(0);
-  const std::vector<float> sx = type == kQ4_1 ? block_sums(x, m, nb) : std::vector<float>();
+  const std::vector<float> sx = has_min(type) ? block_sums(x, m, nb) : std::vector<float>();
   const Call p{x, sx.data(), k, nb, n, bias, y};
   const uint8_t* wd = w.data_ptr<uint8_t>();
   switch (type) {
     case kQ4_0: run<V, kQ4_0>(p, wd, tiles, m); break;
     case kQ4_1: run<V, kQ4_1>(p, wd, tiles, m); break;
+    case kQ4_K: run<V, kQ4_K>(p, wd, tiles, m); break;
+    case kQ6_K: run<V, kQ6_K>(p, wd, tiles, m); break;
+    case kKMixed: run<V, kKMixed>(p, wd, tiles, m); break;
     default: run<V, kQ8_0>(p, wd, tiles, m); break;
   }
 }
@@ -476,8 +522,33 @@ at::Tensor pack_f32_weight(const at::Tensor& w) {
   return w.contiguous().view({w.size(0) / kLanes, kLanes, w.size(1)}).transpose(1, 2).contiguous();
 }
 
-at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type) {
+namespace f32 {
+
+// Q4_K or Q6_K super-blocks -> per-32 records of their own, or with `mixed` kKMixed's.
+at::Tensor pack_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
+  const int64_t kind = mixed ? kKMixed : type;
+  const RecordFormat rf = record_format(kind);
+  return repack_k_blocks(raw, type, "pack_dot_blocks", kLanes, rf.bytes, at::kByte,
+                         [&](uint8_t* rec, int64_t i, const KBlock& k) {
+    const float scales[3] = {k.da, half_scales(kind) ? k.db : k.m, k.m};
+    for (int64_t l = 0; l < 32; ++l) {
+      if (kind == kQ4_K)  // Q4_1's nibbles: input 2c low, 2c + 1 high
+        rec[(l / 2) * kLanes + i] |= static_cast<uint8_t>(k.q[l] << (4 * (l & 1)));
+      else  // Q6_K's q - 32 (a Q4_K row of mixed records: q), as int8
+        rec[l * kLanes + i] = static_cast<uint8_t>(type == kQ6_K ? k.q[l] - 32 : k.q[l]);
+    }
+    for (int64_t s = 0; s < (kind == kKMixed ? 3 : 2); ++s)
+      std::memcpy(rec + rf.q_bytes + s * 4 * kLanes + i * 4, &scales[s], 4);
+  });
+}
+
+}  // namespace f32
+
+at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
   using f32::kLanes;
+  if (type == kQ4_K || type == kQ6_K) return f32::pack_k_quant(raw, type, k_mixed);
+  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
+              "GGML type ", type);
   check_raw_blocks(raw, type, "pack_dot_blocks");  // the type first: its message names it
   const f32::RecordFormat rf = f32::record_format(type);
   return repack_blocks(raw, type, "pack_dot_blocks", kLanes, rf.bytes, rf.q_bytes, at::kByte,

@@ -1,7 +1,8 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0) as the matmul kernels keep them, their repacking
-// (repack_blocks: the bf16, float32 and int8-input records) and their dequantization to bf16
-// in registers: shared by the AMX kernel (quant_linear.cpp), the AVX512-BF16 dot kernels
-// (dot_linear.cpp, dot_blocks.cpp, vnni_blocks.cpp) and the float32 ones (f32_linear.cpp).
+// GGUF block formats (Q4_0, Q4_1, Q8_0; Q4_K and Q6_K decoded per 32) as the matmul kernels
+// keep them, their repacking (repack_blocks, repack_k_blocks: the bf16, float32 and int8-input
+// records) and their dequantization to bf16 in registers: shared by the AMX kernel
+// (quant_linear.cpp), the AVX512-BF16 dot kernels (dot_linear.cpp, dot_blocks.cpp,
+// vnni_blocks.cpp) and the float32 ones (f32_linear.cpp).
 //
 // Layout (pack_block_weights): for each 16 output rows and each 32-input block, one record:
 //   Q4_0: q[8 row pairs][32 bytes] (nibbles of two rows), d[16] fp16      = 288 bytes
@@ -19,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
@@ -81,6 +83,99 @@ at::Tensor repack_blocks(const at::Tensor& raw, int64_t type, const char* op, in
           put(rec, i, blk + q_offset);
         }
       }
+  });
+  return out;
+}
+
+// GGML's K-quants (llama.cpp's Q4_K_M files hold both): 256 weights per super-block. The
+// kernels that read them repack each per 32 inputs, the other types' block size.
+//   Q4_K (144 bytes): d, dmin fp16; 12 bytes of 6-bit scales and mins, one of each per 32;
+//                     128 bytes of nibbles. A weight is d * sc * q - dmin * m.
+//   Q6_K (210 bytes): 6-bit values q, an int8 scale per 16, one fp16 d: d * sc * (q - 32).
+constexpr int64_t kQ4_K = 12, kQ6_K = 14;
+// A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer), read as one
+// record kind. Not a GGML type: an id of ours.
+constexpr int64_t kKMixed = 1000;
+
+// Sub-block j's (0-7) 6-bit scale and min from a Q4_K super-block's 12 scale bytes (GGML's
+// get_scale_min_k4).
+inline void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One 32-weight block of a K-quant super-block, for a record row: its values, its halves'
+// scales (inputs 0-15 and 16-31) and its m (a weight is d * q + m; Q6_K: q - 32, m = 0).
+struct KBlock {
+  uint8_t q[32];
+  float da, db, m;
+};
+
+// Block j (0-7) of a Q4_K super-block (d, dmin fp16; 12 bytes of 6-bit scales and mins; 128
+// bytes of nibbles: blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31).
+inline void q4k_block(const uint8_t* blk, int64_t j, KBlock& k) {
+  uint16_t bits[2];
+  std::memcpy(bits, blk, 4);
+  const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+  const float dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+  int sc = 0, mn = 0;
+  q4k_scale_min(blk + 4, j, sc, mn);
+  k.da = k.db = d * static_cast<float>(sc);
+  k.m = -(dmin * static_cast<float>(mn));
+  const uint8_t* qs = blk + 16 + 32 * (j / 2);
+  for (int64_t l = 0; l < 32; ++l) k.q[l] = static_cast<uint8_t>((qs[l] >> (4 * (j & 1))) & 0xF);
+}
+
+// Block j (0-7) of a Q6_K super-block (ql[128], qh[64], int8 scales[16], d fp16; GGML's
+// dequantize_row_q6_K: per 128 weights, 64 bytes of low nibbles, weights 64-127 in the high
+// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1): d * (q - 32).
+inline void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
+  uint16_t bits;
+  std::memcpy(&bits, blk + 208, 2);
+  const float d = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  k.da = d * static_cast<float>(sc[2 * j]);
+  k.db = d * static_cast<float>(sc[2 * j + 1]);
+  k.m = 0.f;
+  const int64_t half = j / 4, quarter = j % 4;
+  for (int64_t l = 0; l < 32; ++l) {
+    const uint8_t low = blk[half * 64 + (quarter & 1) * 32 + l] >> (4 * (quarter >> 1)) & 0xF;
+    const uint8_t high = blk[128 + half * 32 + l] >> (2 * quarter) & 3;
+    k.q[l] = static_cast<uint8_t>(low | high << 4);
+  }
+}
+
+// Raw K-quant super-blocks (uint8 [rows, in / 256, 144 (Q4_K) or 210 (Q6_K)]) repacked per
+// `rows` output rows and 32-input block into one record of `record_bytes`: an
+// [N / rows, K / 32, record_bytes] tensor of `dtype`, zeroed, then put(rec, i, k) for each
+// row i's block k.
+template <class Put>
+at::Tensor repack_k_blocks(const at::Tensor& raw, int64_t type, const char* op, int64_t rows,
+                           int64_t record_bytes, at::ScalarType dtype, Put&& put) {
+  const bool q6k = type == kQ6_K;
+  const int64_t bytes = q6k ? 210 : 144;
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == bytes &&
+                  raw.size(0) % rows == 0,
+              op, ": ", q6k ? "Q6_K" : "Q4_K", " blocks must be uint8 [rows (a multiple of ",
+              rows, "), in / 256, ", bytes, "], got ", raw.sizes(), " ", raw.scalar_type());
+  const int64_t n = raw.size(0), supers = raw.size(1), blocks = supers * 8;
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::zeros({n / rows, blocks, record_bytes}, raw.options().dtype(dtype));
+  const uint8_t* r = src.data_ptr<uint8_t>();
+  auto* o = static_cast<uint8_t*>(out.data_ptr());
+  at::parallel_for(0, n / rows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t b = 0; b < blocks; ++b) {
+          KBlock k;
+          (q6k ? q6k_block : q4k_block)(r + ((t * rows + i) * supers + b / 8) * bytes, b % 8, k);
+          put(o + (t * blocks + b) * record_bytes, i, k);
+        }
   });
   return out;
 }

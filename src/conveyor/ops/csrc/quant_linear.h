@@ -31,9 +31,12 @@ bool dot_linear_available();
 // w bf16 [N, K] (N a multiple of 16, K even) -> the pair tiles dot_linear reads.
 at::Tensor pack_dot_weight(const at::Tensor& w);
 
-// raw GGUF blocks uint8 [N, K/32, block bytes] -> the records dot_linear reads for x of
-// this dtype (bf16: pair-major, dot_blocks.cpp; float32: input-major, f32_linear.cpp).
-at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype);
+// raw GGUF blocks uint8 [N, K/32, block bytes] (Q4_K, Q6_K: [N, K/256, ...]) -> the records
+// dot_linear reads for x of this dtype (bf16: pair-major, dot_blocks.cpp, Q4_0/Q4_1/Q8_0;
+// float32: input-major, f32_linear.cpp, also Q4_K and Q6_K, with k_mixed as records of the
+// kind both types' parts of one fused weight share).
+at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype,
+                           bool k_mixed);
 at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type);
 
 // y = x W^T + b for x [M, K] bf16 or float32 and W from pack_dot_weight (of a weight of x's
@@ -56,7 +59,7 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
 // float32 weight [N, K] (N a multiple of 8); GGUF records; y = x W^T + b for x float32.
 bool f32_linear_available();
 at::Tensor pack_f32_weight(const at::Tensor& w);
-at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type);
+at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type, bool k_mixed);
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias);
 // Outputs per register the float32 kernels use (16 with AVX-512, else 8; the same bits

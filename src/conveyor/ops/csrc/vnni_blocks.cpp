@@ -60,24 +60,19 @@ constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of 
                                       // registers), records are read in place
 constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
 
-// Q4_K (GGML type 12: 256 weights per super-block, a 6-bit scale and min per 32) repacked per
-// 32 like Q4_1, with its exact float32 scales d * sc and -dmin * m: 256 nibble bytes, d[16]
-// and m[16] float32 = 384 bytes (a size no other record has).
-constexpr int64_t kQ4_K = 12;
+// Q4_K repacked per 32 like Q4_1, with its exact float32 scales d * sc and -dmin * m: 256
+// nibble bytes, d[16] and m[16] float32 = 384 bytes (a size no other record has).
 constexpr int64_t kQ4KRecord = 384;
-// Q6_K (GGML type 14: 256 weights per super-block, 6-bit values q, an int8 scale per 16, one
-// fp16 d; a weight is d * sc * (q - 32)) repacked per 32: the low nibbles as Q4's records hold
-// them (256 bytes), the 2 high bits of quads 4h..4h+3 in run h of 64 bytes (bits 2u, 2u + 1 of
-// a byte for quad 4h + u: 128 bytes), then d * sc of the block's two halves (inputs 0-15 and
-// 16-31) as float32 [16] each (exact) = 512 bytes (a size no other record has).
-constexpr int64_t kQ6_K = 14;
+// Q6_K (a weight is d * sc * (q - 32), q 6 bits, an int8 scale per 16) repacked per 32: the
+// low nibbles as Q4's records hold them (256 bytes), the 2 high bits of quads 4h..4h+3 in run
+// h of 64 bytes (bits 2u, 2u + 1 of a byte for quad 4h + u: 128 bytes), then d * sc of the
+// block's two halves (inputs 0-15 and 16-31) as float32 [16] each (exact) = 512 bytes (a
+// size no other record has).
 constexpr int64_t kQ6KRecord = 512;
-// A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer) takes both as
-// 6-bit records with an m: Q6_K's record, then m[16] float32 (Q6_K rows: 0; Q4_K rows hold
-// q + 24, their halves' scales both d * sc and m = -dmin * m' + 8 * d * sc, so that
-// d * sc * (q + 24 - 32) + m is their weight) = 576 bytes (a size no other record has). Not a
-// GGML type: an id of ours.
-constexpr int64_t kKMixed = 1000;
+// kKMixed (a matmul fused from Q4_K and Q6_K parts) takes both as 6-bit records with an m:
+// Q6_K's record, then m[16] float32 (Q6_K rows: 0; Q4_K rows hold q + 24, their halves'
+// scales both d * sc and m = -dmin * m' + 8 * d * sc, so that d * sc * (q + 24 - 32) + m is
+// their weight) = 576 bytes (a size no other record has).
 constexpr int64_t kKMixedRecord = 576;
 
 // A type's record bytes; the kernel knows a packed weight's type by them.
@@ -468,59 +463,6 @@ bool vnni_blocks_available() {
 
 namespace {
 
-// Sub-block j's (0-7) 6-bit scale and min from a Q4_K super-block's 12 scale bytes (GGML's
-// get_scale_min_k4).
-void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// One 32-weight block of a K-quant super-block, for a record row: its values, its halves'
-// scales (inputs 0-15 and 16-31) and its m (a weight is d * q + m; Q6_K: q - 32, m = 0).
-struct KBlock {
-  uint8_t q[32];
-  float da, db, m;
-};
-
-// Block j (0-7) of a Q4_K super-block (d, dmin fp16; 12 bytes of 6-bit scales and mins; 128
-// bytes of nibbles: blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31).
-void q4k_block(const uint8_t* blk, int64_t j, KBlock& k) {
-  uint16_t bits[2];
-  std::memcpy(bits, blk, 4);
-  const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
-  const float dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
-  int sc = 0, mn = 0;
-  q4k_scale_min(blk + 4, j, sc, mn);
-  k.da = k.db = d * static_cast<float>(sc);
-  k.m = -(dmin * static_cast<float>(mn));
-  const uint8_t* qs = blk + 16 + 32 * (j / 2);
-  for (int64_t l = 0; l < 32; ++l) k.q[l] = static_cast<uint8_t>((qs[l] >> (4 * (j & 1))) & 0xF);
-}
-
-// Block j (0-7) of a Q6_K super-block (ql[128], qh[64], int8 scales[16], d fp16; GGML's
-// dequantize_row_q6_K: per 128 weights, 64 bytes of low nibbles, weights 64-127 in the high
-// ones, and 32 bytes of high bits, weights 32s..32s+31 in bits 2s, 2s + 1): d * (q - 32).
-void q6k_block(const uint8_t* blk, int64_t j, KBlock& k) {
-  uint16_t bits;
-  std::memcpy(&bits, blk + 208, 2);
-  const float d = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
-  k.da = d * static_cast<float>(sc[2 * j]);
-  k.db = d * static_cast<float>(sc[2 * j + 1]);
-  k.m = 0.f;
-  const int64_t half = j / 4, quarter = j % 4;
-  for (int64_t l = 0; l < 32; ++l) {
-    const uint8_t low = blk[half * 64 + (quarter & 1) * 32 + l] >> (4 * (quarter >> 1)) & 0xF;
-    const uint8_t high = blk[128 + half * 32 + l] >> (2 * quarter) & 3;
-    k.q[l] = static_cast<uint8_t>(low | high << 4);
-  }
-}
-
 // Row i of a record: the values' low nibbles as Q4's records hold them (input 8p + t in byte t
 // of run p's low nibble, 8p + 4 + t in its high one); with six_bits, their high bits (run h:
 // quad 4h + u's in bits 2u, 2u + 1) and the halves' scales at 384 and 448, else (Q4_K) d at 256
@@ -538,38 +480,20 @@ void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, bool six_bits) {
   std::memcpy(rec + (six_bits ? 448 : 320) + i * 4, six_bits ? &k.db : &k.m, 4);
 }
 
-// Q4_K (uint8 [N, K/256, 144]) or Q6_K ([N, K/256, 210]) super-blocks -> per-32 records
-// [N/16, K/32, bytes]: their own (kQ4_K's, kQ6_K's), or with `mixed` kKMixed's.
+// Q4_K or Q6_K super-blocks -> per-32 records [N/16, K/32, bytes]: their own (kQ4_K's,
+// kQ6_K's), or with `mixed` kKMixed's.
 at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
   const bool q6k = type == kQ6_K;
-  const int64_t bytes = q6k ? 210 : 144;
-  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == bytes &&
-                  raw.size(0) % kGroupRows == 0,
-              "pack_vnni_blocks: ", q6k ? "Q6_K" : "Q4_K", " blocks must be uint8 [rows (a "
-              "multiple of 16), in / 256, ", bytes, "], got ", raw.sizes(), " ", raw.scalar_type());
-  const int64_t n = raw.size(0), supers = raw.size(1), blocks = supers * 8;
-  const int64_t record = vnni_record_bytes(mixed ? kKMixed : type);
-  const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::zeros({n / kGroupRows, blocks, record}, raw.options().dtype(at::kChar));
-  const uint8_t* r = src.data_ptr<uint8_t>();
-  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
-  at::parallel_for(0, n / kGroupRows, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i = 0; i < kGroupRows; ++i)
-        for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* blk = r + ((t * kGroupRows + i) * supers + b / 8) * bytes;
-          KBlock k;
-          (q6k ? q6k_block : q4k_block)(blk, b % 8, k);
-          uint8_t* rec = o + (t * blocks + b) * record;
-          if (mixed && !q6k) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
-            for (uint8_t& v : k.q) v = static_cast<uint8_t>(v + 24);
-            k.m += 8.f * k.da;
-          }
-          put_k_row(rec, i, k, mixed || q6k);
-          if (mixed) std::memcpy(rec + 512 + i * 4, &k.m, 4);
-        }
+  return repack_k_blocks(raw, type, "pack_vnni_blocks", kGroupRows,
+                         vnni_record_bytes(mixed ? kKMixed : type), at::kChar,
+                         [&](uint8_t* rec, int64_t i, KBlock k) {
+    if (mixed && !q6k) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
+      for (uint8_t& v : k.q) v = static_cast<uint8_t>(v + 24);
+      k.m += 8.f * k.da;
+    }
+    put_k_row(rec, i, k, mixed || q6k);
+    if (mixed) std::memcpy(rec + 512 + i * 4, &k.m, 4);
   });
-  return out;
 }
 
 }  // namespace
