@@ -1,5 +1,5 @@
 """The AVX512-BF16 kernels (CPUs without AMX): matmuls on pair tiles or GGUF blocks
-(ops/csrc/dot_linear.cpp, dot_blocks.cpp; with AVX512-VNNI, blocks with int8 inputs,
+(Q4_K and Q6_K too; ops/csrc/dot_linear.cpp, dot_blocks.cpp; with AVX512-VNNI, blocks with int8 inputs,
 vnni_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
 AMX tiles where the CPU has them and vdpbf16ps elsewhere).
 
@@ -97,6 +97,37 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
     bf16_weights = kops.dot_linear(x, kops.pack_dot_weight(exact.to(torch.bfloat16)), None).float()
     assert want.abs().max() > 0.1  # a real product, not zeros
     assert (got - want).abs().max() <= (bf16_weights - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "both"])
+def test_k_quant_blocks_are_the_exact_gguf_weights(kops, kind) -> None:
+    """Q4_K and Q6_K (llama.cpp's Q4_K_M files) on bf16 inputs, repacked per 32 with float32
+    scales (Q6_K's per 16 inputs: two sums per block), and a weight fused from both in records
+    of one kind (``k_mixed``): closer to the product with gguf-py's float32 weights than the
+    bf16 weights' own, on both ways of reading the blocks, the same bits for a row whatever
+    the batch."""
+    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
+    parts = {"Q4_K": [(GGMLQuantizationType.Q4_K, q4k)],
+             "Q6_K": [(GGMLQuantizationType.Q6_K, q6k)],
+             "both": [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
+                      (GGMLQuantizationType.Q4_K, q4k[:16])]}[kind]
+    mixed = len(parts) > 1
+    w = torch.cat([kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16, mixed)
+                   for qtype, raw in parts])
+    exact = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
+                       for qtype, raw in parts])
+    x = torch.randn(150, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    together = kops.dot_linear(x, w, None)
+    want = x.float() @ exact.T
+    bf16_weights = kops.dot_linear(x, kops.pack_dot_weight(exact.to(torch.bfloat16)), None).float()
+    assert want.abs().max() > 0.1  # a real product, not zeros
+    assert (together.float() - want).abs().max() <= (bf16_weights - want).abs().max()
+    for start, rows in [(0, 1), (7, 2), (10, 3), (10, 5), (40, 64), (1, 149)]:
+        part = slice(start, start + rows)
+        assert torch.equal(kops.dot_linear(x[part], w, None), together[part])
+    with pytest.raises(RuntimeError, match="k_mixed records are for Q4_K and Q6_K"):
+        kops.pack_dot_blocks(torch.from_numpy(random_blocks(TYPES[0], 16, 32, 0)), 2,
+                             torch.bfloat16, True)
 
 
 def _int8_inputs_product(x: torch.Tensor, raw, qtype) -> torch.Tensor:

@@ -89,34 +89,41 @@ def test_the_default_model_takes_int8_inputs_and_scores_text_nearly_as_well(text
 
 
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
-def test_a_k_quant_matmul_reads_its_blocks_with_int8_inputs_only(qtype: int) -> None:
-    """Q4_K and Q6_K (Q4_K_M files' two types) are read in place with int8 inputs; without
-    them (or where they do not run) the matmul keeps its bf16 weight."""
+def test_a_k_quant_matmul_reads_its_blocks_with_or_without_int8_inputs(qtype: int) -> None:
+    """Q4_K and Q6_K (Q4_K_M files' two types) are read in place with int8 inputs and with
+    bf16 ones (the bf16 block kernel: closer to the dense weights, which differ from the
+    exact ones only by their rounding to bf16)."""
     if not ops.vnni_blocks_available():
         pytest.skip("int8 inputs need AVX512-VNNI and no AMX (bf16 block matmuls)")
     raw = (random_q4k_blocks if qtype == Q4_K else random_q6k_blocks)(64, 512, seed=0)
     weight = torch.from_numpy(dequantize(raw.reshape(64, -1), GGMLQuantizationType(qtype)).copy())
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     dense = PackedLinear(weight.to(torch.bfloat16), None)
-    assert not dense.use_blocks(torch.from_numpy(raw), qtype, int8_activations=False)
-    assert dense.blocks is None
-    linear = PackedLinear(weight.to(torch.bfloat16), None)
-    assert linear.use_blocks(torch.from_numpy(raw), qtype, int8_activations=True)
-    assert linear.int8_inputs and linear.blocks is not None
-    got, want = linear(x).float(), dense(x).float()
-    assert 0 < (got - want).abs().max() < 0.02 * want.abs().max()
+    want = dense(x).float()
+    errors = {}
+    for int8 in (True, False):
+        linear = PackedLinear(weight.to(torch.bfloat16), None)
+        assert linear.use_blocks(torch.from_numpy(raw), qtype, int8_activations=int8)
+        assert linear.int8_inputs == int8 and linear.blocks is not None
+        errors[int8] = (linear(x).float() - want).abs().max() / want.abs().max()
+    assert 0 < errors[False] < errors[True] < 0.02
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_q4_k_m_file_reads_every_matmuls_blocks(tmp_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize("dtype,int8,tolerance", [("bfloat16", True, 0.3),
+                                                  ("bfloat16", False, 0.15),
+                                                  ("float32", False, 1e-3)],
+                         ids=["int8", "bf16", "float32"])
+def test_a_q4_k_m_file_reads_every_matmuls_blocks(tmp_path: Path, dtype: str, int8: bool,
+                                                  tolerance: float) -> None:
     """Every matmul of a Q4_K_M-style file reads its blocks (q, k and v fused from Q4_K and
-    Q6_K parts too): in bf16 with int8 inputs, in float32 (CPUs with AVX2 only) on float32
-    inputs. The first token's distribution is the dense weights' (in bf16, but for the
-    inputs' rounding: each matmul's ~0.6 %, which this random model's nearly flat logits, top
-    tokens at ~1.5 %, turn into up to ~0.15 in a logprob; in float32 the same weights exactly,
-    summed in another order; a wrong layout or scale gives other tokens)."""
+    Q6_K parts too): in bf16 with int8 or bf16 inputs, in float32 (CPUs with AVX2 only). The
+    first token's distribution is the dense weights' (with int8 inputs but for their
+    rounding: each matmul's ~0.6 %, which this random model's nearly flat logits, top tokens
+    at ~1.5 %, turn into up to ~0.15 in a logprob; with bf16 inputs but for the dense
+    weights' rounding to bf16: ~0.06; in float32 the same weights, summed in another order:
+    ~5e-6; a wrong layout or scale gives other tokens)."""
     if dtype == "bfloat16" and not ops.vnni_blocks_available():
-        pytest.skip("int8 inputs need AVX512-VNNI and no AMX (bf16 block matmuls)")
+        pytest.skip("needs AVX512-VNNI and no AMX (bf16 block matmuls, int8 inputs)")
     if dtype == "float32" and not ops.f32_kernels_available():
         pytest.skip("the float32 kernels need AVX2 and FMA")
     path = str(tmp_path / "tiny-q4_k_m.gguf")
@@ -126,11 +133,10 @@ def test_a_q4_k_m_file_reads_every_matmuls_blocks(tmp_path: Path, dtype: str) ->
     outputs = {}
     for quantized in (True, False):
         llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), kv_cache_memory="8MiB",
-                  dtype=dtype, quantized_matmuls=quantized)
+                  dtype=dtype, quantized_matmuls=quantized, int8_activations=int8)
         linears = _matmuls(llm)
         assert len(linears) == 9  # 2 x (qkv, o, gate_up, down) and the LM head
         assert all((m.blocks is not None) == quantized for m in linears)
-        assert all(m.int8_inputs == (quantized and dtype == "bfloat16") for m in linears)
+        assert all(m.int8_inputs == (quantized and int8) for m in linears)
         outputs[quantized] = [o.outputs[0] for o in llm.generate(prompts, params)]
-    assert_first_tokens_close(outputs[True], outputs[False],
-                              tolerance=0.3 if dtype == "bfloat16" else 1e-3)
+    assert_first_tokens_close(outputs[True], outputs[False], tolerance)

@@ -1,6 +1,7 @@
 """Matmuls on Q4_K_M files' block types against the same weights dequantized: in bf16 with int8
-inputs (CPUs with AVX512-VNNI and no AMX), or with ``--dtype float32`` in float32 (the kernels
-of CPUs with AVX2 only; with AVX-512 on 16-lane registers).
+inputs (``--kernel int8``, the default on CPUs with AVX512-VNNI and no AMX), with bf16 inputs
+(``--kernel bf16``, ``--no-int8-activations``), or in float32 (``--kernel float32``: the
+kernels of CPUs with AVX2 only; with AVX-512 on 16-lane registers).
 
 30 weights of 1536 x 768 (the default model's gate/up shape, inputs a multiple of 256),
 random blocks, read in turn so that they come from memory as a model's layers do: Q6_K's own
@@ -9,7 +10,7 @@ Q6_K weights dequantized (bf16 pair tiles or float32 lane tiles: what such a mat
 before its blocks were). All interleaved, per batch size; prints medians and the ratios to
 the dequantized weights.
 
-    python docs/results/k_quant_matmuls.py [--reps 12] [--dtype float32]
+    python docs/results/k_quant_matmuls.py [--reps 12] [--kernel int8|bf16|float32]
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ LAYERS, ROWS, COLS = 30, 1536, 768
 BATCHES = (1, 4, 13, 64, 512)
 
 
-def weights(dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+def weights(kernel: str) -> dict[str, list[torch.Tensor]]:
+    dtype = torch.float32 if kernel == "float32" else torch.bfloat16
     q6k = [random_q6k_blocks(ROWS, COLS, seed) for seed in range(LAYERS)]
     q4k = [random_q4k_blocks(ROWS, COLS, seed) for seed in range(LAYERS)]
     dense = [torch.from_numpy(dequantize(raw.reshape(ROWS, -1), GGMLQuantizationType.Q6_K).copy())
              for raw in q6k]
 
     def pack(raw, qtype: int, k_mixed: bool = False) -> torch.Tensor:
-        if dtype == torch.float32:
-            return cpu_kernels.pack_dot_blocks(torch.from_numpy(raw), qtype, dtype, k_mixed)
-        return cpu_kernels.pack_vnni_blocks(torch.from_numpy(raw), qtype, k_mixed)
+        if kernel == "int8":
+            return cpu_kernels.pack_vnni_blocks(torch.from_numpy(raw), qtype, k_mixed)
+        return cpu_kernels.pack_dot_blocks(torch.from_numpy(raw), qtype, dtype, k_mixed)
 
     return {
         "dequantized": [cpu_kernels.pack_dot_weight(w.to(dtype)) for w in dense],
@@ -54,14 +56,16 @@ def weights(dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=12)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--kernel", choices=["int8", "bf16", "float32"], default="int8")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    if dtype == torch.float32 and not cpu_kernels.f32_kernels_available():
+    dtype = torch.float32 if args.kernel == "float32" else torch.bfloat16
+    if args.kernel == "float32" and not cpu_kernels.f32_kernels_available():
         sys.exit("the float32 kernels need the C++ kernels on a CPU with AVX2 and FMA")
-    if dtype == torch.bfloat16 and not cpu_kernels.vnni_blocks_available():
+    if args.kernel == "bf16" and not cpu_kernels.dot_kernels_available():
+        sys.exit("bf16 block matmuls need the C++ kernels on a CPU with AVX512-BF16 and no AMX")
+    if args.kernel == "int8" and not cpu_kernels.vnni_blocks_available():
         sys.exit("int8 inputs need the C++ kernels on a CPU with AVX512-VNNI and no AMX")
-    kinds = weights(dtype)
+    kinds = weights(args.kernel)
     times: dict[tuple[int, str], list[float]] = {(m, k): [] for m in BATCHES for k in kinds}
     for _ in range(args.reps):
         for m in BATCHES:

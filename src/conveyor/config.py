@@ -151,8 +151,7 @@ class LoadConfig:
                                        "for the model's config)")
     seed: int = setting(0, "seed of dummy weights and of unseeded sampling")
     quantized_matmuls: bool = setting(
-        True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 (with int8 inputs or in float32 also "
-              "Q4_K/Q6_K) weight "
+        True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 (without AMX also Q4_K/Q6_K) weight "
               "blocks in place (the exact GGUF weights, fewer bytes than bf16/float32 copies)")
     int8_activations: bool = setting(
         True, "bf16 block matmuls on CPUs with AVX512-VNNI and no AMX quantize each token's "

@@ -17,8 +17,8 @@ BLOCKS_TOLERANCE = 0.02
 # output on random inputs for the default model's weights): the check is for a wrong layout.
 INT8_BLOCKS_TOLERANCE = 0.05
 # GGML's Q4_K and Q6_K (llama.cpp's Q4_K_M files): 256 weights per block (the other block types
-# here hold 32); the int8-input and float32 kernels read them (repacked per 32,
-# csrc/vnni_blocks.cpp, csrc/f32_linear.cpp), the bf16-input and AMX ones do not.
+# here hold 32); the dot kernels read them (repacked per 32: csrc/vnni_blocks.cpp,
+# dot_blocks.cpp, f32_linear.cpp), the AMX ones do not.
 Q4_K, Q6_K = 12, 14
 K_QUANTS = (Q4_K, Q6_K)
 
@@ -105,7 +105,7 @@ class PackedLinear(nn.Module):
           differ from the dense weight's in the last bits (checked close, at 1 and 5 rows).
           With ``int8_activations`` and AVX512-VNNI, bf16 inputs are quantized to int8 per
           block of 32 (``pack_vnni_blocks``): further from the dense results, as llama.cpp's
-          (checked close the same way). Q4_K and Q6_K with int8 inputs or in float32 only.
+          (checked close the same way). Q4_K and Q6_K with the dot kernels only (not AMX).
         """
         return self.use_block_parts([(qtype, raw)], int8_activations)
 
@@ -113,13 +113,13 @@ class PackedLinear(nn.Module):
                         int8_activations: bool = False) -> bool:
         """``use_blocks`` for a weight fused from parts (rows in order: q, k, v), each (GGML
         type, blocks). Parts of one type are one weight; Q4_K and Q6_K parts (a Q4_K_M file's
-        q, k and v) are read with int8 inputs or in float32, repacked to records of one kind."""
+        q, k and v) are read by the dot kernels, repacked to records of one kind."""
         types = {qtype for qtype, _ in parts}
         int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
                 and cpu_kernels.vnni_blocks_available())
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
-        if types & set(K_QUANTS) and not (int8 or (self.dot and self.dtype == torch.float32)):
+        if types & set(K_QUANTS) and not self.dot:
             return False
 
         def pack(raw: torch.Tensor, qtype: int, k_mixed: bool = False) -> torch.Tensor:

@@ -252,7 +252,7 @@ class CausalLM(nn.Module):
         AMX, every batch with the dot kernels). Needs bf16 weights and the C++ kernels with
         AMX or AVX512-BF16, or float32 weights and AVX2 (the backend's
         ``quantized_matmuls``); a matmul whose parts are not all blocks of one supported type
-        (or, with int8 inputs or in float32, of Q4_K and Q6_K) keeps its dense weight.
+        (or, with the dot kernels, of Q4_K and Q6_K) keeps its dense weight.
         ``int8_activations``: with AVX512-VNNI and no AMX, the bf16 block matmuls quantize
         their inputs to int8. Returns how many matmuls took their blocks."""
         if not self.backend.quantized_matmuls:

@@ -226,9 +226,9 @@ def pack_dot_weight(w: torch.Tensor) -> torch.Tensor:
 
 def pack_dot_blocks(raw: torch.Tensor, qtype: int, dtype: torch.dtype,
                     k_mixed: bool = False) -> torch.Tensor:
-    """GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type ``qtype``; in float32
-    also Q4_K and Q6_K, ``[out, in / 256, ...]``) for ``dot_linear`` in ``dtype``.
-    ``k_mixed``: as ``pack_vnni_blocks``'s (float32 only)."""
+    """GGUF blocks (uint8 ``[out, in / 32, block bytes]`` of GGML type ``qtype``; Q4_K and
+    Q6_K ``[out, in / 256, ...]``) for ``dot_linear`` in ``dtype``. ``k_mixed``: as
+    ``pack_vnni_blocks``'s."""
     return torch.ops.conveyor.pack_dot_blocks(raw, qtype, dtype, k_mixed)
 
 

@@ -1,4 +1,4 @@
-// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0) for CPUs with AVX512-BF16 and no AMX, at every
+// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q6_K) for CPUs with AVX512-BF16 and no AMX, at every
 // batch size (dot_linear.cpp dispatches here; its notes on pair tiles and batch invariance
 // hold for this file too).
 //
@@ -20,6 +20,8 @@
 //   Q4_0, Q4_1: q[16 pairs][16 rows] bytes (input 2c in the low nibble, 2c + 1 in the high),
 //               d[16] fp16 (, m[16] fp16)                      = 288 (320) bytes
 //   Q8_0:       q[16 pairs][16 rows][2] int8, d[16] fp16        = 544 bytes
+//   Q4_K, Q6_K, both (Q4_K_M files' types, repacked per 32 with float32 scales; Q6_K's per
+//   16 inputs: two block sums of 8 pairs): 384, 640, 704 bytes (at scale_offset below)
 
 #include "quant_linear.h"
 
@@ -44,8 +46,24 @@ constexpr int kTokens = 3;          // 3 tokens x 4 records x 2 (block and total
 constexpr int64_t kStreamed = 3;    // up to this many tokens, records are read in place
 constexpr int kOuterTokens = 6;     // beyond: 6 tokens x 4 records of block sums at a time
 
-// Where a record's d (then m) begins.
-constexpr int64_t scale_offset(int64_t type) { return type == kQ8_0 ? 512 : 256; }
+// Where a record's d (then m) begins, and its size. Q4_K: Q4_1's nibbles, then d * sc and
+// -dmin * m as float32 [16] each = 384 bytes; Q6_K: q - 32 as Q8_0's int8 pairs, then d * sc
+// of inputs 0-15 and of 16-31 as float32 [16] each = 640; kKMixed (a matmul fused from Q4_K
+// and Q6_K parts): Q6_K's record (Q4_K rows: q, d * sc twice), then m float32 [16] = 704.
+constexpr int64_t scale_offset(int64_t type) { return byte_values(type) ? 512 : 256; }
+int64_t bf16_record_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_K: return 384;
+    case kQ6_K: return 640;
+    case kKMixed: return 704;
+    default: return block_format(type).record_bytes;
+  }
+}
+int64_t bf16_type_of_record(int64_t bytes) {
+  for (int64_t type : {kQ4_K, kQ6_K, kKMixed})
+    if (bf16_record_bytes(type) == bytes) return type;
+  return type_of_record(bytes, "dot_linear");
+}
 
 #ifdef CONVEYOR_AVX512BF16
 
@@ -62,7 +80,7 @@ __m512i nibble_levels() {
 // each, the even input low).
 template <int64_t Type>
 inline __m512bh record_pair(const uint8_t* rec, int64_t c, __m512i levels) {
-  if constexpr (Type == kQ8_0) {
+  if constexpr (byte_values(Type)) {
     const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + c * 32)));
     const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + c * 32 + 16)));
     return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(hi), _mm512_cvtepi32_ps(lo));
@@ -88,34 +106,37 @@ struct Records {
   __m512bh pair(int64_t j, int64_t b, int64_t c) const {
     return record_pair<Type>(first[j] + b * stride, c, levels);
   }
-  __m512 scale(int64_t j, int64_t b) const {
-    return record_halves(first[j] + b * stride + scale_offset(Type));
+  // The record's 16 scales from byte `at` on (float32, or fp16 values).
+  __m512 scales_at(int64_t j, int64_t b, int64_t at) const {
+    const uint8_t* p = first[j] + b * stride + scale_offset(Type) + at;
+    if constexpr (float_scales(Type)) return _mm512_loadu_ps(p);
+    else return record_halves(p);
   }
-  __m512 min(int64_t j, int64_t b) const {  // after the 16 scales (Q4_1)
-    return record_halves(first[j] + b * stride + scale_offset(Type) + 32);
+  // d (of inputs 0-15 where the halves have their own), that of inputs 16-31, then m.
+  __m512 scale(int64_t j, int64_t b) const { return scales_at(j, b, 0); }
+  __m512 scale_b(int64_t j, int64_t b) const { return scales_at(j, b, 64); }
+  __m512 min(int64_t j, int64_t b) const {
+    return scales_at(j, b, float_scales(Type) ? (half_scales(Type) ? 128 : 64) : 32);
   }
 };
 
 struct Call {
   const uint32_t* x;  // [m, pairs] words
-  const float* sx;    // [m, blocks]: each block's input sum (Q4_1)
+  const float* sx;    // [m, blocks]: each block's input sum (types with an m)
   int64_t pairs, blocks, n;
   const float* bias;  // [n] or null
   uint16_t* y;        // [m, n] bf16
 };
 
-// Tokens [m0, m0 + MR) take block b into their sums (per token and record, 16 outputs): its
-// 16 input pairs into block sums, then sum += d * block sum (+ m * the block's input sum).
-// Both ways of walking the blocks below run exactly this, so an output's operations do not
-// depend on the number of tokens.
-template <int64_t Type, int MR, class Weights>
-inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
-                      __m512 (&sums)[MR][kTaskGroups]) {
-  __m512 blk[MR][kTaskGroups];
+// Input pairs [c0, c1) of block b into tokens [m0, m0 + MR)'s block sums (per token and
+// record, 16 outputs), from zero.
+template <int MR, class Weights>
+inline void block_pairs(const Call& p, const Weights& w, int64_t b, int64_t m0, int64_t c0,
+                        int64_t c1, __m512 (&blk)[MR][kTaskGroups]) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < kTaskGroups; ++j) blk[i][j] = _mm512_setzero_ps();
   const uint32_t* xr = p.x + m0 * p.pairs + b * 16;
-  for (int64_t c = 0; c < 16; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     __m512bh wv[kTaskGroups];
     for (int j = 0; j < kTaskGroups; ++j) wv[j] = w.pair(j, b, c);
     for (int i = 0; i < MR; ++i) {
@@ -123,10 +144,30 @@ inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
       for (int j = 0; j < kTaskGroups; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], wv[j], xb);
     }
   }
+}
+
+// Tokens [m0, m0 + MR) take block b into their sums: its 16 input pairs into block sums,
+// then sum += d * block sum (with a scale per half block: d * the first 8 pairs' + db * the
+// last 8's), + m * the block's input sum for types with an m. Both ways of walking the blocks
+// below run exactly this, so an output's operations do not depend on the number of tokens.
+template <int64_t Type, int MR, class Weights>
+inline void add_block(const Call& p, const Weights& w, int64_t b, int64_t m0,
+                      __m512 (&sums)[MR][kTaskGroups]) {
+  __m512 blk[MR][kTaskGroups];
+  block_pairs<MR>(p, w, b, m0, 0, half_scales(Type) ? 8 : 16, blk);
   for (int j = 0; j < kTaskGroups; ++j) {
     const __m512 d = w.scale(j, b);
     for (int i = 0; i < MR; ++i) sums[i][j] = _mm512_fmadd_ps(blk[i][j], d, sums[i][j]);
-    if constexpr (Type == kQ4_1) {
+  }
+  if constexpr (half_scales(Type)) {
+    block_pairs<MR>(p, w, b, m0, 8, 16, blk);
+    for (int j = 0; j < kTaskGroups; ++j) {
+      const __m512 d = w.scale_b(j, b);
+      for (int i = 0; i < MR; ++i) sums[i][j] = _mm512_fmadd_ps(blk[i][j], d, sums[i][j]);
+    }
+  }
+  if constexpr (has_min(Type)) {
+    for (int j = 0; j < kTaskGroups; ++j) {
       const __m512 mv = w.min(j, b);
       for (int i = 0; i < MR; ++i)
         sums[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.sx[(m0 + i) * p.blocks + b]), sums[i][j]);
@@ -159,11 +200,12 @@ void tokens(const Call& p, const Weights& w, int64_t groups, int64_t n0, int64_t
 // One block's weights for a task, unpacked from its records: pairs as bf16 words, scales.
 struct BlockWeights {
   alignas(64) uint32_t pairs[kTaskGroups][16][16];
-  __m512 scales[kTaskGroups], mins[kTaskGroups];
+  __m512 scales[kTaskGroups], scales_b[kTaskGroups], mins[kTaskGroups];
   __m512bh pair(int64_t j, int64_t /*b*/, int64_t c) const {
     return (__m512bh)_mm512_load_si512(pairs[j][c]);
   }
   __m512 scale(int64_t j, int64_t /*b*/) const { return scales[j]; }
+  __m512 scale_b(int64_t j, int64_t /*b*/) const { return scales_b[j]; }
   __m512 min(int64_t j, int64_t /*b*/) const { return mins[j]; }
 };
 
@@ -191,7 +233,8 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
     for (int64_t j = 0; j < kTaskGroups; ++j) {
       for (int64_t c = 0; c < 16; ++c) _mm512_store_si512(w.pairs[j][c], (__m512i)r.pair(j, b, c));
       w.scales[j] = r.scale(j, b);
-      if constexpr (Type == kQ4_1) w.mins[j] = r.min(j, b);
+      if constexpr (half_scales(Type)) w.scales_b[j] = r.scale_b(j, b);
+      if constexpr (has_min(Type)) w.mins[j] = r.min(j, b);
     }
     for (int64_t m = m0; m < m1; m += kOuterTokens) {
       float* a = acc.data() + (m - m0) * kTaskGroups * 16;
@@ -215,7 +258,7 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
 
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
-  const int64_t record = block_format(Type).record_bytes;
+  const int64_t record = bf16_record_bytes(Type);
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
   const TokenPasses passes(m, kPass);
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
@@ -253,7 +296,25 @@ std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
 
 }  // namespace
 
-at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type) {
+at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
+  if (type == kQ4_K || type == kQ6_K) {
+    const int64_t kind = k_mixed ? kKMixed : type, at = scale_offset(kind);
+    return repack_k_blocks(raw, type, "pack_dot_blocks", kGroupRows, bf16_record_bytes(kind),
+                           at::kByte, [&](uint8_t* rec, int64_t i, const KBlock& k) {
+      const float scales[3] = {k.da, half_scales(kind) ? k.db : k.m, k.m};
+      for (int64_t l = 0; l < 32; ++l) {
+        if (kind == kQ4_K)  // Q4_1's nibbles: pair c's inputs 2c low, 2c + 1 high
+          rec[(l / 2) * kGroupRows + i] |= static_cast<uint8_t>(k.q[l] << (4 * (l & 1)));
+        else  // Q6_K's q - 32 (a Q4_K row of mixed records: q), as Q8_0's int8 pairs
+          rec[((l / 2) * kGroupRows + i) * 2 + (l & 1)] =
+              static_cast<uint8_t>(type == kQ6_K ? k.q[l] - 32 : k.q[l]);
+      }
+      for (int64_t s = 0; s < (kind == kKMixed ? 3 : 2); ++s)
+        std::memcpy(rec + at + s * 4 * kGroupRows + i * 4, &scales[s], 4);
+    });
+  }
+  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
+              "GGML type ", type);
   return repack_blocks(raw, type, "pack_dot_blocks", kGroupRows, block_format(type).record_bytes,
                        scale_offset(type), at::kByte,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
@@ -270,19 +331,22 @@ at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type) {
 }
 
 at::Tensor dot_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t type = type_of_record(w.size(2), "dot_linear");
+  const int64_t type = bf16_type_of_record(w.size(2));
   const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_AVX512BF16
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const std::vector<float> sx = type == kQ4_1 ? block_sums(xd, m, blocks) : std::vector<float>();
+  const std::vector<float> sx = has_min(type) ? block_sums(xd, m, blocks) : std::vector<float>();
   const Call p{reinterpret_cast<const uint32_t*>(xd), sx.data(), blocks * 16, blocks, n, bias,
                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const uint8_t* wd = w.data_ptr<uint8_t>();
   switch (type) {
     case kQ4_0: run<kQ4_0>(p, wd, groups, m); break;
     case kQ4_1: run<kQ4_1>(p, wd, groups, m); break;
+    case kQ4_K: run<kQ4_K>(p, wd, groups, m); break;
+    case kQ6_K: run<kQ6_K>(p, wd, groups, m); break;
+    case kKMixed: run<kKMixed>(p, wd, groups, m); break;
     default: run<kQ8_0>(p, wd, groups, m); break;
   }
 #endif

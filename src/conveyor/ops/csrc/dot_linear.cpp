@@ -88,9 +88,8 @@ at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType d
                            bool k_mixed) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "pack_dot_blocks: dtype must be bfloat16 or float32, got ", dtype);
-  if (dtype == at::kFloat) return pack_f32_blocks(raw, type, k_mixed);
-  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are float32's");
-  return pack_bf16_blocks(raw, type);
+  return dtype == at::kFloat ? pack_f32_blocks(raw, type, k_mixed)
+                             : pack_bf16_blocks(raw, type, k_mixed);
 }
 
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,

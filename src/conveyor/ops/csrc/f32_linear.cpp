@@ -78,13 +78,6 @@ int64_t type_of_f32_record(int64_t bytes) {
   TORCH_CHECK(false, "dot_linear: w is not from pack_dot_blocks (", bytes, "-byte records)");
 }
 
-// What a type's records hold: an m (the blocks' input sums count), float32 scales (the
-// K-quants: fp16 otherwise), a scale per half block, values as int8 (else as nibbles).
-constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
-constexpr bool float_scales(int64_t type) { return type == kQ4_K || type == kQ6_K || type == kKMixed; }
-constexpr bool half_scales(int64_t type) { return type == kQ6_K || type == kKMixed; }
-constexpr bool byte_values(int64_t type) { return type == kQ8_0 || half_scales(type); }
-
 #ifdef CONVEYOR_AVX2
 
 // ------------------------------------------------------------------ vector widths

@@ -97,6 +97,14 @@ constexpr int64_t kQ4_K = 12, kQ6_K = 14;
 // record kind. Not a GGML type: an id of ours.
 constexpr int64_t kKMixed = 1000;
 
+// What a type's records hold where a kernel reads K-quants: an m (the blocks' input sums
+// count), a scale per half block (Q6_K's per 16 inputs: two block sums), float32 scales (the
+// K-quants' exact d * sc; fp16 otherwise), values as int8 (else as nibbles: Q4_0, Q4_1, Q4_K).
+constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
+constexpr bool half_scales(int64_t type) { return type == kQ6_K || type == kKMixed; }
+constexpr bool float_scales(int64_t type) { return type == kQ4_K || half_scales(type); }
+constexpr bool byte_values(int64_t type) { return type == kQ8_0 || half_scales(type); }
+
 // Sub-block j's (0-7) 6-bit scale and min from a Q4_K super-block's 12 scale bytes (GGML's
 // get_scale_min_k4).
 inline void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {

@@ -32,12 +32,12 @@ bool dot_linear_available();
 at::Tensor pack_dot_weight(const at::Tensor& w);
 
 // raw GGUF blocks uint8 [N, K/32, block bytes] (Q4_K, Q6_K: [N, K/256, ...]) -> the records
-// dot_linear reads for x of this dtype (bf16: pair-major, dot_blocks.cpp, Q4_0/Q4_1/Q8_0;
-// float32: input-major, f32_linear.cpp, also Q4_K and Q6_K, with k_mixed as records of the
-// kind both types' parts of one fused weight share).
+// dot_linear reads for x of this dtype (bf16: pair-major, dot_blocks.cpp; float32:
+// input-major, f32_linear.cpp); k_mixed (Q4_K, Q6_K): records of the kind both types' parts
+// of one fused weight share.
 at::Tensor pack_dot_blocks(const at::Tensor& raw, int64_t type, at::ScalarType dtype,
                            bool k_mixed);
-at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type);
+at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type, bool k_mixed);
 
 // y = x W^T + b for x [M, K] bf16 or float32 and W from pack_dot_weight (of a weight of x's
 // dtype) or pack_dot_blocks (the exact GGUF weights): the same bits for a row whatever M is

@@ -89,8 +89,6 @@ inline int64_t vnni_type_of_record(int64_t bytes) {
     if (vnni_record_bytes(type) == bytes) return type;
   return type_of_record(bytes, "dot_linear");
 }
-// Whether a type's records carry an m (its blocks' sums of x count).
-constexpr bool has_min(int64_t type) { return type == kQ4_1 || type == kQ4_K || type == kKMixed; }
 // Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
 constexpr bool six_bit(int64_t type) { return type == kQ6_K || type == kKMixed; }
 
