@@ -79,7 +79,8 @@ def write_k_quant_gguf(path: str) -> None:
 
     writer.add_tensor("token_embd.weight", rng.normal(0, 1, (49152, hidden)).astype(np.float16))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    writer.add_tensor("output.weight", blocks(Q6_K, 49152, hidden), raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.add_tensor("output.weight", blocks(Q6_K, 49152, hidden),
+                      raw_dtype=GGMLQuantizationType.Q6_K)
     shapes = {"attn_q": (Q4_K, hidden, hidden), "attn_k": (Q4_K, 128, hidden),
               "attn_v": (Q6_K, 128, hidden), "attn_output": (Q4_K, hidden, hidden),
               "ffn_gate": (Q4_K, ffn, hidden), "ffn_up": (Q4_K, ffn, hidden),

@@ -1,7 +1,7 @@
 """The AVX512-BF16 kernels (CPUs without AMX): matmuls on pair tiles or GGUF blocks
-(Q4_K and Q6_K too; ops/csrc/dot_linear.cpp, dot_blocks.cpp; with AVX512-VNNI, blocks with int8 inputs,
-vnni_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which takes
-AMX tiles where the CPU has them and vdpbf16ps elsewhere).
+(Q4_K and Q6_K too; ops/csrc/dot_linear.cpp, dot_blocks.cpp; with AVX512-VNNI, blocks with
+int8 inputs, vnni_blocks.cpp), and prefill attention (ops/csrc/prefill_attention.cpp, which
+takes AMX tiles where the CPU has them and vdpbf16ps elsewhere).
 
 What makes the engine batch-invariant on such CPUs is tested here at the kernel level: a row's
 matmul result does not depend on how many rows share the call (on blocks or bf16 weights); a

@@ -1,6 +1,6 @@
-// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q6_K) for CPUs with AVX512-BF16 and no AMX, at every
-// batch size (dot_linear.cpp dispatches here; its notes on pair tiles and batch invariance
-// hold for this file too).
+// Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q6_K) for CPUs with AVX512-BF16 and no
+// AMX, at every batch size (dot_linear.cpp dispatches here; its notes on pair tiles and batch
+// invariance hold for this file too).
 //
 // Rebuilding each weight's bf16 value from its block costs more than reading the block (a
 // table per row and block, then a 16x16 transpose into pair tiles: ~180 cycles per 512

@@ -287,7 +287,9 @@ struct Records {
   }
   // d (of inputs 0-15 where the halves have their own), that of inputs 16-31, then m.
   T scale(int64_t j, int64_t b) const { return scales_at(j, b, record_format(Type).q_bytes); }
-  T scale_b(int64_t j, int64_t b) const { return scales_at(j, b, record_format(Type).q_bytes + 32); }
+  T scale_b(int64_t j, int64_t b) const {
+    return scales_at(j, b, record_format(Type).q_bytes + 32);
+  }
   T min(int64_t j, int64_t b) const {
     const int64_t width = float_scales(Type) ? 32 : 16;  // bytes of a tile's 8 scales
     return scales_at(j, b, record_format(Type).q_bytes + width * (half_scales(Type) ? 2 : 1));
