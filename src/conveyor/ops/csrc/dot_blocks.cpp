@@ -297,11 +297,11 @@ std::vector<float> block_sums(const uint16_t* x, int64_t m, int64_t blocks) {
 }  // namespace
 
 at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
+  check_k_mixed(k_mixed, type, "pack_dot_blocks");
   if (type == kQ4_K || type == kQ6_K) {
-    const int64_t kind = k_mixed ? kKMixed : type, at = scale_offset(kind);
+    const int64_t kind = k_mixed ? kKMixed : type;
     return repack_k_blocks(raw, type, "pack_dot_blocks", kGroupRows, bf16_record_bytes(kind),
                            at::kByte, [&](uint8_t* rec, int64_t i, const KBlock& k) {
-      const float scales[3] = {k.da, half_scales(kind) ? k.db : k.m, k.m};
       for (int64_t l = 0; l < 32; ++l) {
         if (kind == kQ4_K)  // Q4_1's nibbles: pair c's inputs 2c low, 2c + 1 high
           rec[(l / 2) * kGroupRows + i] |= static_cast<uint8_t>(k.q[l] << (4 * (l & 1)));
@@ -309,12 +309,9 @@ at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
           rec[((l / 2) * kGroupRows + i) * 2 + (l & 1)] =
               static_cast<uint8_t>(type == kQ6_K ? k.q[l] - 32 : k.q[l]);
       }
-      for (int64_t s = 0; s < (kind == kKMixed ? 3 : 2); ++s)
-        std::memcpy(rec + at + s * 4 * kGroupRows + i * 4, &scales[s], 4);
+      put_k_scales(rec, scale_offset(kind), kGroupRows, i, kind, k);
     });
   }
-  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
-              "GGML type ", type);
   return repack_blocks(raw, type, "pack_dot_blocks", kGroupRows, block_format(type).record_bytes,
                        scale_offset(type), at::kByte,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {

@@ -525,15 +525,13 @@ at::Tensor pack_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
   const RecordFormat rf = record_format(kind);
   return repack_k_blocks(raw, type, "pack_dot_blocks", kLanes, rf.bytes, at::kByte,
                          [&](uint8_t* rec, int64_t i, const KBlock& k) {
-    const float scales[3] = {k.da, half_scales(kind) ? k.db : k.m, k.m};
     for (int64_t l = 0; l < 32; ++l) {
       if (kind == kQ4_K)  // Q4_1's nibbles: input 2c low, 2c + 1 high
         rec[(l / 2) * kLanes + i] |= static_cast<uint8_t>(k.q[l] << (4 * (l & 1)));
       else  // Q6_K's q - 32 (a Q4_K row of mixed records: q), as int8
         rec[l * kLanes + i] = static_cast<uint8_t>(type == kQ6_K ? k.q[l] - 32 : k.q[l]);
     }
-    for (int64_t s = 0; s < (kind == kKMixed ? 3 : 2); ++s)
-      std::memcpy(rec + rf.q_bytes + s * 4 * kLanes + i * 4, &scales[s], 4);
+    put_k_scales(rec, rf.q_bytes, kLanes, i, kind, k);
   });
 }
 
@@ -541,9 +539,8 @@ at::Tensor pack_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
 
 at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
   using f32::kLanes;
+  check_k_mixed(k_mixed, type, "pack_dot_blocks");
   if (type == kQ4_K || type == kQ6_K) return f32::pack_k_quant(raw, type, k_mixed);
-  TORCH_CHECK(!k_mixed, "pack_dot_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
-              "GGML type ", type);
   check_raw_blocks(raw, type, "pack_dot_blocks");  // the type first: its message names it
   const f32::RecordFormat rf = f32::record_format(type);
   return repack_blocks(raw, type, "pack_dot_blocks", kLanes, rf.bytes, rf.q_bytes, at::kByte,

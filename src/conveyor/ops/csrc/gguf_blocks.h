@@ -188,6 +188,21 @@ at::Tensor repack_k_blocks(const at::Tensor& raw, int64_t type, const char* op, 
   return out;
 }
 
+// Row i's float32 scales of a K-quant block in records of `rows` rows, from byte `at` on:
+// d (that of inputs 0-15 for a type with half scales), then db or m, then (kKMixed) m.
+inline void put_k_scales(uint8_t* rec, int64_t at, int64_t rows, int64_t i, int64_t kind,
+                         const KBlock& k) {
+  const float scales[3] = {k.da, half_scales(kind) ? k.db : k.m, k.m};
+  for (int64_t s = 0; s < (kind == kKMixed ? 3 : 2); ++s)
+    std::memcpy(rec + at + (s * rows + i) * 4, &scales[s], 4);
+}
+
+// The K-quant packers' type check: k_mixed records are for Q4_K and Q6_K only.
+inline void check_k_mixed(bool k_mixed, int64_t type, const char* op) {
+  TORCH_CHECK(!k_mixed || type == kQ4_K || type == kQ6_K, op,
+              ": k_mixed records are for Q4_K and Q6_K blocks, not GGML type ", type);
+}
+
 // Weight j of a 4-bit block's bytes qs: GGUF keeps j < 16 in the low nibble of qs[j], j + 16
 // in the high nibble of qs[j - 16].
 inline uint8_t gguf_nibble(const uint8_t* qs, int64_t j) {

@@ -1,8 +1,9 @@
 // Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
 // scales, Q6_K per 32 with a scale per half; both, for a matmul fused from the two, in one
-// record kind: see kQ4_K, kQ6_K, kKMixed) with int8 activations, for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 and 5,
-// Intel Ice Lake to Cooper Lake): llama.cpp's way on such CPUs, at every batch size
-// (dot_linear.cpp dispatches here; its notes on batch invariance hold).
+// record kind: see kQ4KRecord, kQ6KRecord, kKMixedRecord) with int8 activations, for CPUs
+// with AVX512-VNNI and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's
+// way on such CPUs, at every batch size (dot_linear.cpp dispatches here; its notes on batch
+// invariance hold).
 //
 // A full batch on these CPUs is bound by arithmetic, not by the weights' bytes. vdpbf16ps
 // adds 32 products per instruction; vpdpbusd adds 64 (bytes, four per 32-bit lane) at the
@@ -89,8 +90,8 @@ inline int64_t vnni_type_of_record(int64_t bytes) {
     if (vnni_record_bytes(type) == bytes) return type;
   return type_of_record(bytes, "dot_linear");
 }
-// Whether a type's records hold 6-bit values with a scale per half block (16 inputs).
-constexpr bool six_bit(int64_t type) { return type == kQ6_K || type == kKMixed; }
+// Whether a type's records hold 6-bit values: the types with a scale per half block.
+constexpr bool six_bit(int64_t type) { return half_scales(type); }
 
 constexpr int64_t vnni_scale_offset(int64_t type) {
   return type == kQ8_0 ? 512 : six_bit(type) ? 384 : 256;
@@ -461,11 +462,12 @@ bool vnni_blocks_available() {
 
 namespace {
 
-// Row i of a record: the values' low nibbles as Q4's records hold them (input 8p + t in byte t
-// of run p's low nibble, 8p + 4 + t in its high one); with six_bits, their high bits (run h:
-// quad 4h + u's in bits 2u, 2u + 1) and the halves' scales at 384 and 448, else (Q4_K) d at 256
-// and m at 320 (float32, exact).
-void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, bool six_bits) {
+// Row i of a record of `kind`: the values' low nibbles as Q4's records hold them (input
+// 8p + t in byte t of run p's low nibble, 8p + 4 + t in its high one); for 6-bit kinds their
+// high bits (run h: quad 4h + u's in bits 2u, 2u + 1); the scales from vnni_scale_offset on
+// (float32, exact: Q4_K's d and m; 6-bit kinds' halves' d, then kKMixed's m).
+void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, int64_t kind) {
+  const bool six_bits = six_bit(kind);
   for (int64_t l = 0; l < 32; ++l) {
     const int64_t quad = l / 4, byte = l % 4;
     rec[((quad / 2) * kGroupRows + i) * 4 + byte] |=
@@ -474,32 +476,28 @@ void put_k_row(uint8_t* rec, int64_t i, const KBlock& k, bool six_bits) {
       rec[256 + ((quad / 4) * kGroupRows + i) * 4 + byte] |=
           static_cast<uint8_t>((k.q[l] >> 4) << (2 * (quad % 4)));
   }
-  std::memcpy(rec + (six_bits ? 384 : 256) + i * 4, &k.da, 4);
-  std::memcpy(rec + (six_bits ? 448 : 320) + i * 4, six_bits ? &k.db : &k.m, 4);
+  put_k_scales(rec, vnni_scale_offset(kind), kGroupRows, i, kind, k);
 }
 
 // Q4_K or Q6_K super-blocks -> per-32 records [N/16, K/32, bytes]: their own (kQ4_K's,
 // kQ6_K's), or with `mixed` kKMixed's.
 at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
-  const bool q6k = type == kQ6_K;
-  return repack_k_blocks(raw, type, "pack_vnni_blocks", kGroupRows,
-                         vnni_record_bytes(mixed ? kKMixed : type), at::kChar,
-                         [&](uint8_t* rec, int64_t i, KBlock k) {
-    if (mixed && !q6k) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
+  const int64_t kind = mixed ? kKMixed : type;
+  return repack_k_blocks(raw, type, "pack_vnni_blocks", kGroupRows, vnni_record_bytes(kind),
+                         at::kChar, [&](uint8_t* rec, int64_t i, KBlock k) {
+    if (mixed && type == kQ4_K) {  // d * (q + 24 - 32) + (m + 8d) is the weight d * q + m
       for (uint8_t& v : k.q) v = static_cast<uint8_t>(v + 24);
       k.m += 8.f * k.da;
     }
-    put_k_row(rec, i, k, mixed || q6k);
-    if (mixed) std::memcpy(rec + 512 + i * 4, &k.m, 4);
+    put_k_row(rec, i, k, kind);
   });
 }
 
 }  // namespace
 
 at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
+  check_k_mixed(k_mixed, type, "pack_vnni_blocks");
   if (type == kQ4_K || type == kQ6_K) return pack_vnni_k_quant(raw, type, k_mixed);
-  TORCH_CHECK(!k_mixed, "pack_vnni_blocks: k_mixed records are for Q4_K and Q6_K blocks, not "
-              "GGML type ", type);
   return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows, block_format(type).record_bytes,
                        vnni_scale_offset(type), at::kChar,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
