@@ -50,6 +50,23 @@ def random_q6k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
+def k_quant_parts(kind: str) -> list[tuple[GGMLQuantizationType, np.ndarray]]:
+    """Random K-quant weights of 512 inputs as (type, blocks) parts: "Q4_K" (48 rows), "Q6_K"
+    (32 rows), or "both": a weight fused from the two as a Q4_K_M file's q, k and v can be
+    (Q4_K, Q6_K, then the Q4_K part's first 16 rows again)."""
+    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
+    return {"Q4_K": [(GGMLQuantizationType.Q4_K, q4k)],
+            "Q6_K": [(GGMLQuantizationType.Q6_K, q6k)],
+            "both": [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
+                     (GGMLQuantizationType.Q4_K, q4k[:16])]}[kind]
+
+
+def dequantized_parts(parts: list[tuple[GGMLQuantizationType, np.ndarray]]) -> torch.Tensor:
+    """gguf-py's float32 weights of k_quant_parts' parts, concatenated."""
+    return torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
+                      for qtype, raw in parts])
+
+
 def write_k_quant_gguf(path: str) -> None:
     """A 2-layer llama GGUF laid out as llama.cpp's Q4_K_M files are: Q4_K matrices, Q6_K for
     attn_v, ffn_down and the LM head (random blocks, weights up to a few tenths),

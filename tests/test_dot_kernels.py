@@ -20,6 +20,8 @@ from gguf.quants import dequantize
 from block_helpers import (
     TYPES,
     bf16_weight,
+    dequantized_parts,
+    k_quant_parts,
     masked_sdpa,
     random_blocks,
     random_q4k_blocks,
@@ -106,16 +108,11 @@ def test_k_quant_blocks_are_the_exact_gguf_weights(kops, kind) -> None:
     of one kind (``k_mixed``): closer to the product with gguf-py's float32 weights than the
     bf16 weights' own, on both ways of reading the blocks, the same bits for a row whatever
     the batch."""
-    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
-    parts = {"Q4_K": [(GGMLQuantizationType.Q4_K, q4k)],
-             "Q6_K": [(GGMLQuantizationType.Q6_K, q6k)],
-             "both": [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
-                      (GGMLQuantizationType.Q4_K, q4k[:16])]}[kind]
+    parts = k_quant_parts(kind)
     mixed = len(parts) > 1
     w = torch.cat([kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16, mixed)
                    for qtype, raw in parts])
-    exact = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
-                       for qtype, raw in parts])
+    exact = dequantized_parts(parts)
     x = torch.randn(150, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     together = kops.dot_linear(x, w, None)
     want = x.float() @ exact.T
@@ -202,13 +199,11 @@ def test_int8_inputs_read_q4_k_and_q6_k_parts_as_one_weight(vnni) -> None:
     repacked to records of one kind (``k_mixed``) and concatenated, the product on the
     parts' dequantized weights but for the inputs' rounding, as each type's own records
     give it, on both of the kernel's paths."""
-    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
-    parts = [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
-             (GGMLQuantizationType.Q4_K, q4k[:16])]
-    exact = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
-                       for qtype, raw in parts])
+    parts = k_quant_parts("both")
+    exact = dequantized_parts(parts)
     w = torch.cat([vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype), True)
                    for qtype, raw in parts])
+    q4k = parts[0][1]
     own = vnni.pack_vnni_blocks(torch.from_numpy(q4k), int(GGMLQuantizationType.Q4_K))
     for rows in (2, 13):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)

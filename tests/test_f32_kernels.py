@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from block_helpers import TYPES, random_blocks, random_q4k_blocks, random_q6k_blocks
+from block_helpers import TYPES, dequantized_parts, k_quant_parts, random_blocks
 from conveyor import ops
 
 # (start, rows) slices of a 300-row call: alone, decode-sized, and over a token pass (64 rows).
@@ -88,15 +87,6 @@ def test_block_matmuls_are_the_exact_gguf_weights(kops, qtype, rows) -> None:
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def _k_quant_parts() -> dict[str, list[tuple[GGMLQuantizationType, object]]]:
-    """Q4_K alone, Q6_K alone, and a weight fused from both (a Q4_K_M file's q, k and v)."""
-    q4k, q6k = random_q4k_blocks(48, 512, seed=1), random_q6k_blocks(32, 512, seed=2)
-    return {"Q4_K": [(GGMLQuantizationType.Q4_K, q4k)],
-            "Q6_K": [(GGMLQuantizationType.Q6_K, q6k)],
-            "both": [(GGMLQuantizationType.Q4_K, q4k), (GGMLQuantizationType.Q6_K, q6k),
-                     (GGMLQuantizationType.Q4_K, q4k[:16])]}
-
-
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "both"])
 def test_k_quant_blocks_are_the_exact_gguf_weights(kops, lanes, kind) -> None:
     """Q4_K and Q6_K (llama.cpp's Q4_K_M files), repacked per 32 with float32 scales (Q6_K's
@@ -104,12 +94,11 @@ def test_k_quant_blocks_are_the_exact_gguf_weights(kops, lanes, kind) -> None:
     (``k_mixed``): the product with gguf-py's float32 weights to float32 accuracy, on both
     ways of reading the blocks, the same bits for a row whatever the batch, on 8 and 16
     lanes."""
-    parts = _k_quant_parts()[kind]
+    parts = k_quant_parts(kind)
     mixed = len(parts) > 1
     w = torch.cat([kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.float32, mixed)
                    for qtype, raw in parts])
-    exact_w = torch.cat([torch.from_numpy(dequantize(raw.reshape(len(raw), -1), qtype).copy())
-                         for qtype, raw in parts])
+    exact_w = dequantized_parts(parts)
     x = torch.randn(150, 512, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(exact_w.shape[0], generator=torch.Generator().manual_seed(4))
     together = kops.dot_linear(x, w, bias)
