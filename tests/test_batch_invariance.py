@@ -59,11 +59,12 @@ def alone(reference) -> list[Output]:
     return reference[0]
 
 
-def test_the_cache_takes_the_tile_layout_where_the_cpu_has_amx() -> None:
-    """bf16 on a CPU with AMX: the KV cache in the tile layout, which decode attention reads
-    in place (rows elsewhere), so the tests here run on the layout this CPU serves with."""
+def test_the_cache_takes_the_tile_layout_where_the_cpu_has_bf16_products() -> None:
+    """bf16 on a CPU with AMX or AVX512-BF16: the KV cache in the tile layout, which decode
+    attention reads in place (rows elsewhere), so the tests here run on the layout this CPU
+    serves with."""
     llm = _engine()
-    tiles = llm.engine.dtype == torch.bfloat16 and ops.amx_available()
+    tiles = llm.engine.dtype == torch.bfloat16 and ops.prefill_attention_available()
     assert llm.engine.kv_layout.tiles == tiles
     assert is_tiles(llm.engine.runner.kv_caches[0]) == tiles
 

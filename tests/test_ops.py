@@ -190,16 +190,19 @@ def test_the_tile_layout_holds_what_the_row_layout_holds(kernels, kv_heads, head
 
 
 @pytest.fixture(scope="module")
-def amx_kernels(kernels):
-    if not ops.amx_available():
-        pytest.skip("decode attention over the tile layout runs on AMX tiles; this CPU has none")
+def tile_kernels(kernels):
+    if not ops.prefill_attention_available():
+        pytest.skip("decode attention over the tile layout runs on AMX tiles or AVX512-BF16; "
+                    "this CPU has neither")
     return kernels
 
 
-def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(amx_kernels) -> None:
+def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(tile_kernels) -> None:
     """decode_attention over a tile-layout cache: as close to the reference as the row-layout
     kernel, and the same bits for a row alone, beside other requests and among a verify's
-    rows (consecutive rows sharing a request's blocks, lengths L, L+1, ...)."""
+    rows (consecutive rows sharing a request's blocks, lengths L, L+1, ...). Without AMX
+    (vdpbf16ps) a chunk's rows as decodes get the very bits the prefill kernel gives them."""
+    tk = tile_kernels
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 60
     rows = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
@@ -207,34 +210,38 @@ def test_tile_layout_attention_gives_a_row_the_same_bits_in_any_batch(amx_kernel
     everything = torch.arange(num_blocks * block_size)
     _, k, v = _qkv_views(len(everything), heads, kv_heads, head_dim, gen)
     reference.write_kv_(k, v, rows, everything)
-    amx_kernels.write_kv_(k, v, tiles, everything)
+    tk.write_kv_(k, v, tiles, everything)
     lens = torch.tensor([1, 16, 17, 100, 101, 102, 103, 203, 300])
     width = int((lens.max() + block_size - 1) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
     tables[4:7] = tables[3]  # a verify: rows 3-6 are one request's last token and 3 drafts
     q, _, _ = _qkv_views(len(lens), heads, kv_heads, head_dim, gen)
     scale = head_dim ** -0.5
-    out = amx_kernels.decode_attention(q, tiles, tables, lens, scale)
+    out = tk.decode_attention(q, tiles, tables, lens, scale)
     expected = reference.decode_attention(q, rows, tables, lens, scale)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
-    row_layout = amx_kernels.decode_attention(q, rows, tables, lens, scale)
+    row_layout = tk.decode_attention(q, rows, tables, lens, scale)
     assert (out - expected).abs().max() <= (row_layout - expected).abs().max() * 2
     for i in range(len(lens)):
-        alone = amx_kernels.decode_attention(q[i:i + 1], tiles, tables[i:i + 1], lens[i:i + 1],
-                                             scale)
+        alone = tk.decode_attention(q[i:i + 1], tiles, tables[i:i + 1], lens[i:i + 1], scale)
         assert torch.equal(alone, out[i:i + 1])
-    verify = amx_kernels.decode_attention(q[3:7], tiles, tables[3:7], lens[3:7], scale)
+    verify = tk.decode_attention(q[3:7], tiles, tables[3:7], lens[3:7], scale)
     assert torch.equal(verify, out[3:7])
     # A prefill chunk's rows attend as decodes over this layout: 40 rows of one request
     # (positions 100-139) in one call, split over tasks of 16 query rows, against each alone.
     chunk_q, _, _ = _qkv_views(40, heads, kv_heads, head_dim, gen)
     chunk_tables, chunk_lens = tables[7:8].expand(40, -1).contiguous(), torch.arange(101, 141)
-    assert amx_kernels.decode_attention(q[:0], tiles, tables[:0], lens[:0], scale).shape == (
+    assert tk.decode_attention(q[:0], tiles, tables[:0], lens[:0], scale).shape == (
         0, heads, head_dim)
-    chunk = amx_kernels.decode_attention(chunk_q, tiles, chunk_tables, chunk_lens, scale)
+    chunk = tk.decode_attention(chunk_q, tiles, chunk_tables, chunk_lens, scale)
     for i in (0, 5, 17, 39):
-        assert torch.equal(chunk[i:i + 1], amx_kernels.decode_attention(
+        assert torch.equal(chunk[i:i + 1], tk.decode_attention(
             chunk_q[i:i + 1], tiles, chunk_tables[i:i + 1], chunk_lens[i:i + 1], scale))
+    # The same 40 queries as a prefill chunk at positions 100-139 (keys 0-139 in the cache).
+    prefill = tk.prefill_attention_tiles(chunk_q, tiles, tables[7], 100, scale)
+    torch.testing.assert_close(prefill, chunk, rtol=1e-2, atol=1e-2)
+    if not ops.amx_available():
+        assert torch.equal(prefill, chunk)
 
 
 def test_kernels_refuse_out_of_range_indices(kernels) -> None:
@@ -289,9 +296,9 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
     from conveyor.model.llama import build_model
 
     dtype = resolve_dtype("auto", torch.device("cpu"))
-    tiles = kv_dtype == "tiles"  # the tile layout: bf16 with AMX, head_dim 32, blocks of 16
-    if tiles and not (dtype == torch.bfloat16 and ops.amx_available()):
-        pytest.skip("the tile-layout cache is read by AMX tiles; this CPU has none")
+    tiles = kv_dtype == "tiles"  # the tile layout: bf16, head_dim 32, blocks of 16
+    if tiles and not (dtype == torch.bfloat16 and ops.prefill_attention_available()):
+        pytest.skip("the tile-layout cache is read by AMX tiles or vdpbf16ps; this CPU has neither")
 
     cfg = ModelConfig(architecture="qwen2" if arch_overrides else "llama", vocab_size=300,
                       hidden_size=96 * (1 + tiles), intermediate_size=160, num_hidden_layers=3,

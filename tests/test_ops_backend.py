@@ -81,7 +81,7 @@ def test_the_runner_runs_model_and_sampler_on_one_backend(tiny_llama_dir, kv_fre
 
 
 def test_switching_to_the_reference_takes_the_cache_back_to_rows(kv_free) -> None:
-    """The default engine (its cache in the tile layout on a CPU with AMX) switched to the
+    """The default engine (its cache in the tile layout on a CPU with bf16 products) switched to the
     reference ops after a request: the cache becomes rows (reference.tiles_as_rows, which
     keeps what the blocks hold: tests/test_ops.py), and the next request gets the output of
     an engine that ran the reference from the start."""

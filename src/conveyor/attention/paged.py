@@ -1,21 +1,20 @@
 """Paged attention over a ragged batch (CPU, and any device torch runs on).
 
 The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, or with
-``kv_cache_dtype="int8"`` quantized rows with their scales, or (bf16 with AMX) the tile layout
-(``conveyor.ops.reference``). New K/V
-are written into their slots (``block_id * block_size + offset``) for the whole batch first;
-then decodes attend together in one ``ops.decode_attention`` call, which on CPU is a C++
-kernel reading the blocks where they lie (see conveyor/ops), and prefill chunks attend one by
-one: causal inside the chunk, full over the cached prefix (gathered block by block), with
-``ops.prefill_attention`` (C++, AMX tiles or AVX512-BF16) in bf16, else torch's SDPA; a
-chunk's generated tokens recomputed after a preemption attend as decodes, and in float32
-with the C++ kernels every row of a chunk does (a query's result then never depends on its
-chunk). Over a tile-layout cache the prefill kernel reads the chunk's and its prefix's keys
-where the cache holds them (``ops.prefill_attention_tiles``). A
-decode-only batch takes one ``ops.write_decode_attention_`` call (the write and the
-attention, fused for an int8 cache). ``ops`` is the model's ``OpsBackend``; its flags choose
-the paths (``prefill_attention_kernel``, ``prefill_rows_as_decodes``), and a backend with a
-``step_attention`` kernel (CUDA) runs the whole step through it instead.
+``kv_cache_dtype="int8"`` quantized rows with their scales, or (bf16 with AMX or AVX512-BF16) the
+tile layout (``conveyor.ops.reference``). New K/V are written into their slots (``block_id *
+block_size + offset``) for the whole batch first; then decodes attend together in one
+``ops.decode_attention`` call, which on CPU is a C++ kernel reading the blocks where they lie (see
+conveyor/ops), and prefill chunks attend one by one: causal inside the chunk, full over the cached
+prefix (gathered block by block), with ``ops.prefill_attention`` (C++, AMX tiles or AVX512-BF16) in
+bf16, else torch's SDPA; a chunk's generated tokens recomputed after a preemption attend as decodes,
+and in float32 with the C++ kernels every row of a chunk does (a query's result then never depends
+on its chunk). Over a tile-layout cache the prefill kernel reads the chunk's and its prefix's keys
+where the cache holds them (``ops.prefill_attention_tiles``). A decode-only batch takes one
+``ops.write_decode_attention_`` call (the write and the attention, fused for an int8 cache). ``ops``
+is the model's ``OpsBackend``; its flags choose the paths (``prefill_attention_kernel``,
+``prefill_rows_as_decodes``), and a backend with a ``step_attention`` kernel (CUDA) runs the whole
+step through it instead.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ device can do, three implementations, chosen in one place (``select_backend``).
   kernels are tested against, and what runs where no kernel is built.
 - ``CpuKernelBackend``: the C++ kernels (``cpu_kernels``), with the fused decode loop,
   matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them;
-  with AMX, a bf16 KV cache in the tile layout (``kv_cache_tiles``).
+  with AMX or AVX512-BF16, a bf16 KV cache in the tile layout (``kv_cache_tiles``).
 - ``CudaBackend``: the torch reference ops on CUDA tensors, and as ``step_attention`` the
   paged-attention kernel ``attention/cuda_backend.py`` picks (FlashInfer, else Triton),
   which reads the blocks in place (``paged_attention_in_place``); without either, SDPA over
@@ -63,7 +63,8 @@ class OpsBackend(Protocol):
     @property
     def kv_cache_tiles(self) -> bool:
         """A cache in the model's dtype may take the tile layout (``reference.is_tiles``:
-        stored as the AMX products read it), which every op here reads and writes."""
+        stored as the AMX products and vdpbf16ps read it), which every op here reads and
+        writes."""
 
     @property
     def step_attention(self) -> PagedAttentionFn | None:
@@ -198,9 +199,11 @@ class CpuKernelBackend:
         # float32 has no prefill attention kernel, and SDPA's blocking makes a query's result
         # depend on its chunk: every row attends as its decode would (docs/benchmarks.md).
         self.prefill_rows_as_decodes = dtype == torch.float32
-        # With AMX, decode attention reads a bf16 cache stored for its tiles: no step repacks
-        # the K/V, and a verify's rows share each read (docs/benchmarks.md, issue 11).
-        self.kv_cache_tiles = dtype == torch.bfloat16 and cpu_kernels.amx_available()
+        # Decode attention reads a bf16 cache stored for its products (AMX tiles, or
+        # vdpbf16ps without AMX): no step repacks the K/V, a verify's rows share each read
+        # (docs/benchmarks.md, issues 11 and 15), and no horizontal sums.
+        self.kv_cache_tiles = (dtype == torch.bfloat16
+                               and cpu_kernels.prefill_attention_available())
 
     rms_norm = staticmethod(cpu_kernels.rms_norm)
     add_rms_norm_ = staticmethod(cpu_kernels.add_rms_norm_)

@@ -54,11 +54,12 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 # block_size must be a multiple of 16.
 
 
-# A tile-layout cache (bf16 where the CPU has AMX: ``OpsBackend.kv_cache_tiles``) is
-# [2, blocks, KVH, bs * D] in the model's dtype: each (plane, block, KV head) owns a head-block
-# laid out as the AMX products read it, so that no step repacks the cache (csrc/cpu_ops.cpp):
-# K, per 16 positions, as K^T in pairs of dims: [bs / 16, D / 32, 16 dim pairs, 16 positions,
-# 2]; V in pairs of positions: [bs / 2, D, 2]. block_size must be a multiple of 16 and D of 32.
+# A tile-layout cache (bf16 where the CPU has AMX or AVX512-BF16: ``OpsBackend.kv_cache_tiles``) is
+# [2, blocks, KVH, bs * D] in the model's dtype: each (plane, block, KV head) owns a head-block laid
+# out as the AMX products (and vdpbf16ps) read it, so that no step repacks the cache
+# (csrc/cpu_ops.cpp): K, per 16 positions, as K^T in pairs of dims: [bs / 16, D / 32, 16 dim pairs,
+# 16 positions, 2]; V in pairs of positions: [bs / 2, D, 2]. block_size must be a multiple of 16 and
+# D of 32.
 
 
 def is_tiles(kv_cache: torch.Tensor) -> bool:

@@ -65,7 +65,7 @@ class KVCacheLayout:
     # Of bytes_per_token, the draft model's own K/V (speculative decoding with a draft
     # model): its cache has the same blocks, so the budget pays both per token.
     draft_bytes_per_token: int = 0
-    # The tile layout (conveyor.ops.reference.is_tiles): same bytes, stored for AMX products.
+    # The tile layout (conveyor.ops.reference.is_tiles): same bytes, stored for bf16 products.
     tiles: bool = False
 
     @property

@@ -372,9 +372,10 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cac
   return out;
 }
 
-#ifdef CONVEYOR_AMX
+#ifdef CONVEYOR_AVX512BF16
 namespace {
 
+#ifdef CONVEYOR_AMX
 // The tiles of decode_attention_tiles: 0 Q (16 rows x 32 dims), 1 K^T (16 dim pairs x 16
 // positions), 2 P (16 rows x 16 positions), 3 V (8 position pairs x 16 dims), 4-7 S or O.
 struct DecodeTileConfig : TileConfig {
@@ -383,6 +384,7 @@ struct DecodeTileConfig : TileConfig {
     rows[3] = 8;
   }
 };
+#endif
 
 // Runs of consecutive rows whose blocks are the same as far as the longest of them reads (a
 // verify: a request's last token and its drafts): [starts[i], starts[i + 1]).
@@ -420,15 +422,26 @@ std::vector<DecodeTask> decode_tasks(const std::vector<int64_t>& starts, int64_t
   return tasks;
 }
 
-// Up to 16 query rows (qbuf) of one KV head against its head-blocks (kt, vt: where each 16
-// positions' K^T and V groups start): row i sees positions [0, visible[i]). S = Q K^T per 16
-// positions, an exact softmax per row (softmax_row), O = P V per 16 positions in tiles of 64
-// dims, divided by the row's sum and rounded to bf16 into dst[i]. Each row's values come from
-// its own query and positions only, in one fixed order: a row's output does not depend on the
-// other rows.
-void attend_tiles(const uint16_t* qbuf, int64_t rows, const int64_t* visible,
-                  const at::BFloat16* const* kt, const at::BFloat16* const* vt, int64_t d,
-                  float scale, float* s, uint16_t* p, float* o, at::BFloat16* const* dst) {
+// A task's rows and where they read: up to 16 query rows (qbuf, d apart) of one KV head;
+// row i sees positions [0, visible[i]); kt[g], vt[g]: where positions 16g ...'s K^T and V
+// groups start in the cache.
+struct DecodeRows {
+  const uint16_t* qbuf;
+  int64_t rows;
+  const int64_t* visible;
+  const at::BFloat16* const* kt;
+  const at::BFloat16* const* vt;
+  int64_t d;
+};
+
+#ifdef CONVEYOR_AMX
+// The rows' S = Q K^T per 16 positions, an exact softmax per row (softmax_row), O = P V per
+// 16 positions in tiles of 64 dims, divided by the row's sum and rounded to bf16 into dst[i].
+// Each row's values come from its own query and positions only, in one fixed order: a row's
+// output does not depend on the other rows.
+void attend_tiles(const DecodeRows& t, float scale, float* s, uint16_t* p, float* o,
+                  at::BFloat16* const* dst) {
+  const auto& [qbuf, rows, visible, kt, vt, d] = t;
   const int64_t most = *std::max_element(visible, visible + rows);
   const int64_t groups = (most + 15) / 16, width = groups * 16;
   for (int64_t kb = 0; kb < groups; ++kb) {
@@ -476,20 +489,131 @@ void attend_tiles(const uint16_t* qbuf, int64_t rows, const int64_t* visible,
   }
   store_outputs(o, sums, rows, d, [&](int64_t i) { return dst[i]; });
 }
+#endif
+
+// acc + the products of w's bf16 pairs with the pair at x broadcast, the broadcast folded into
+// vdpbf16ps's memory operand (GCC loads it with a separate vpbroadcastd, which on Zen 4 takes
+// a slot of the pipes the products need).
+inline __m512 dpbf16_broadcast(__m512 acc, __m512i w, const uint32_t* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// Without AMX: scores of R rows against NG groups of 16 positions from group kb, s[i * width
+// + 16 * group + j], each lane its query's dim pairs in order from zero (as scores_block does
+// for a prefill chunk). The next NG groups' K^T lines and these groups' V (for the pass
+// after) are fetched into L2, a line each per line read: the groups lie anywhere (into L1
+// instead, the K^T ran 0.95x at 13-48 requests x 300-400 positions, Zen 4).
+template <int R, int NG>
+void scores_dp(const DecodeRows& t, int64_t r0, int64_t kb, int64_t groups, float* s,
+               int64_t width) {
+  const int64_t half = t.d / 2;
+  const auto* q = reinterpret_cast<const uint32_t*>(t.qbuf + r0 * t.d);
+  __m512 acc[R][NG];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t w = 0; w < half; ++w) {  // the 32 dims of part w / 16: 512 elements a part
+    const int64_t at = (w / 16) * 512 + (w % 16) * 32;
+    __m512i keys[NG];
+    for (int g = 0; g < NG; ++g) {
+      keys[g] = _mm512_loadu_si512(t.kt[kb + g] + at);
+      if (kb + NG + g < groups) _mm_prefetch((const char*)(t.kt[kb + NG + g] + at), _MM_HINT_T1);
+      _mm_prefetch((const char*)(t.vt[kb + g] + at), _MM_HINT_T1);
+    }
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < NG; ++g)
+        acc[i][g] = dpbf16_broadcast(acc[i][g], keys[g], q + i * half + w);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + (r0 + i) * width + (kb + g) * 16, acc[i][g]);
+}
+
+// Without AMX: o rows [r0, r0 + R), dims [d0, d0 + 16 * TL) += P V over the groups, each
+// lane its position pairs in order (as values_dp does for a prefill chunk).
+template <int R, int TL>
+void values_dp_rows(const DecodeRows& t, int64_t r0, int64_t d0, int64_t groups,
+                    const uint16_t* p, int64_t width, float* o) {
+  __m512 acc[R][TL];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < groups; ++kb) {
+    const at::BFloat16* v = t.vt[kb] + d0 * 2;  // [8 position pairs][d dims][2]
+    for (int64_t pr = 0; pr < 8; ++pr) {
+      __m512i vv[TL];
+      for (int c = 0; c < TL; ++c) vv[c] = _mm512_loadu_si512(v + pr * t.d * 2 + c * 32);
+      for (int i = 0; i < R; ++i) {
+        const auto* pw = reinterpret_cast<const uint32_t*>(p + (r0 + i) * width) + kb * 8 + pr;
+        for (int c = 0; c < TL; ++c) acc[i][c] = dpbf16_broadcast(acc[i][c], vv[c], pw);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < TL; ++c) _mm512_storeu_ps(o + (r0 + i) * t.d + d0 + 16 * c, acc[i][c]);
+}
+
+// values_dp_rows over every 16 dims of rows [r0, r0 + R).
+template <int R>
+void values_dp_all(const DecodeRows& t, int64_t r0, int64_t groups, const uint16_t* p,
+                   int64_t width, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= t.d; d0 += 64) values_dp_rows<R, 4>(t, r0, d0, groups, p, width, o);
+  switch ((t.d - d0) / 16) {
+    case 1: values_dp_rows<R, 1>(t, r0, d0, groups, p, width, o); break;
+    case 2: values_dp_rows<R, 2>(t, r0, d0, groups, p, width, o); break;
+    case 3: values_dp_rows<R, 3>(t, r0, d0, groups, p, width, o); break;
+  }
+}
+
+// Rows [r0, r0 + R): their scores (4 groups at a time), then their P V once p holds them.
+template <int R>
+void scores_rows(const DecodeRows& t, int64_t r0, int64_t groups, float* s, int64_t width) {
+  int64_t kb = 0;
+  for (; kb + 4 <= groups; kb += 4) scores_dp<R, 4>(t, r0, kb, groups, s, width);
+  for (; kb < groups; ++kb) scores_dp<R, 1>(t, r0, kb, groups, s, width);
+}
+
+// attend_tiles without AMX, on vdpbf16ps: the same outputs as prefill_core gives those rows
+// (the same products in the same order per lane), 4 rows at a time.
+void attend_dp(const DecodeRows& t, float scale, float* s, uint16_t* p, float* o,
+               at::BFloat16* const* dst) {
+  const int64_t most = *std::max_element(t.visible, t.visible + t.rows);
+  const int64_t groups = (most + 15) / 16, width = groups * 16;
+  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
+    switch (std::min<int64_t>(4, t.rows - r0)) {
+      case 1: scores_rows<1>(t, r0, groups, s, width); break;
+      case 2: scores_rows<2>(t, r0, groups, s, width); break;
+      case 3: scores_rows<3>(t, r0, groups, s, width); break;
+      default: scores_rows<4>(t, r0, groups, s, width); break;
+    }
+  }
+  float sums[16];
+  for (int64_t i = 0; i < t.rows; ++i)
+    sums[i] = softmax_row(s + i * width, p + i * width, t.visible[i], width, scale);
+  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
+    switch (std::min<int64_t>(4, t.rows - r0)) {
+      case 1: values_dp_all<1>(t, r0, groups, p, width, o); break;
+      case 2: values_dp_all<2>(t, r0, groups, p, width, o); break;
+      case 3: values_dp_all<3>(t, r0, groups, p, width, o); break;
+      default: values_dp_all<4>(t, r0, groups, p, width, o); break;
+    }
+  }
+  store_outputs(o, sums, t.rows, t.d, [&](int64_t i) { return dst[i]; });
+}
 
 }  // namespace
-#endif  // CONVEYOR_AMX
+#endif  // CONVEYOR_AVX512BF16
 
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(amx_available() && q.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(prefill_attention_available() && q.scalar_type() == at::kBFloat16 &&
                   kv_cache.scalar_type() == at::kBFloat16 && d <= 256,
-              "decode_attention: a tile-layout kv_cache needs AMX, bf16 and head_dim <= 256");
+              "decode_attention: a tile-layout kv_cache needs AVX512-BF16, bf16 and "
+              "head_dim <= 256");
   at::Tensor out = at::empty({batch, heads, d}, q.options());
   if (batch == 0) return out;
-#ifdef CONVEYOR_AMX
+#ifdef CONVEYOR_AVX512BF16
   const int64_t kvh = kv_cache.size(2), bs = kv_cache.size(3) / d, group = heads / kvh;
   const int64_t width = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -500,10 +624,14 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
   const auto* qd = q.data_ptr<at::BFloat16>();
   auto* od = out.data_ptr<at::BFloat16>();
   const std::vector<DecodeTask> tasks = decode_tasks(starts, kvh, group);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+  const bool amx = amx_available();
+  // Handed out in shrinking runs: the requests' lengths differ (parallel_tasks.h).
+  parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t0, int64_t t1) {
     const FlushDenormals flush;
+#ifdef CONVEYOR_AMX
     static thread_local const DecodeTileConfig config;
-    _tile_loadconfig(&config);
+    if (amx) _tile_loadconfig(&config);
+#endif
     static thread_local std::vector<float> s;  // kept between calls: no allocation per step
     static thread_local std::vector<uint16_t> p;
     static thread_local std::vector<const at::BFloat16*> kt, vt;
@@ -532,10 +660,18 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
         kt[g] = kc + group_offset(tables + b0 * width, g, task.kh, kvh, bs, d);
         vt[g] = vc + (kt[g] - kc);
       }
-      attend_tiles(qbuf, rows, visible, kt.data(), vt.data(), d, static_cast<float>(scale),
-                   s.data(), p.data(), o, dst);
+      const DecodeRows r{qbuf, rows, visible, kt.data(), vt.data(), d};
+#ifdef CONVEYOR_AMX
+      if (amx) {
+        attend_tiles(r, static_cast<float>(scale), s.data(), p.data(), o, dst);
+        continue;
+      }
+#endif
+      attend_dp(r, static_cast<float>(scale), s.data(), p.data(), o, dst);
     }
-    _tile_release();
+#ifdef CONVEYOR_AMX
+    if (amx) _tile_release();
+#endif
   });
 #endif
   return out;

@@ -9,8 +9,8 @@ namespace conveyor {
 bool prefill_attention_available();
 
 // decode_attention over a tile-layout bf16 cache [2, blocks, KVH, bs * D] (ops/reference.py)
-// with AMX tiles; the arguments already checked as decode_attention's. Rows with the same
-// blocks (a verify's) share each read of them.
+// with AMX tiles, or vdpbf16ps where the CPU has no AMX; the arguments already checked as
+// decode_attention's. Rows with the same blocks (a verify's) share each read of them.
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale);
