@@ -491,14 +491,6 @@ void attend_tiles(const DecodeRows& t, float scale, float* s, uint16_t* p, float
 }
 #endif
 
-// acc + the products of w's bf16 pairs with the pair at x broadcast, the broadcast folded into
-// vdpbf16ps's memory operand (GCC loads it with a separate vpbroadcastd, which on Zen 4 takes
-// a slot of the pipes the products need).
-inline __m512 dpbf16_broadcast(__m512 acc, __m512i w, const uint32_t* x) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
-
 // Without AMX: scores of R rows against NG groups of 16 positions from group kb, s[i * width
 // + 16 * group + j], each lane its query's dim pairs in order from zero (as scores_block does
 // for a prefill chunk). The next NG groups' K^T lines and these groups' V (for the pass
@@ -520,9 +512,10 @@ void scores_dp(const DecodeRows& t, int64_t r0, int64_t kb, int64_t groups, floa
       if (kb + NG + g < groups) _mm_prefetch((const char*)(t.kt[kb + NG + g] + at), _MM_HINT_T1);
       _mm_prefetch((const char*)(t.vt[kb + g] + at), _MM_HINT_T1);
     }
-    for (int i = 0; i < R; ++i)
-      for (int g = 0; g < NG; ++g)
-        acc[i][g] = dpbf16_broadcast(acc[i][g], keys[g], q + i * half + w);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i * half + w]));
+      for (int g = 0; g < NG; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)keys[g], qw);
+    }
   }
   for (int i = 0; i < R; ++i)
     for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + (r0 + i) * width + (kb + g) * 16, acc[i][g]);
@@ -543,7 +536,8 @@ void values_dp_rows(const DecodeRows& t, int64_t r0, int64_t d0, int64_t groups,
       for (int c = 0; c < TL; ++c) vv[c] = _mm512_loadu_si512(v + pr * t.d * 2 + c * 32);
       for (int i = 0; i < R; ++i) {
         const auto* pw = reinterpret_cast<const uint32_t*>(p + (r0 + i) * width) + kb * 8 + pr;
-        for (int c = 0; c < TL; ++c) acc[i][c] = dpbf16_broadcast(acc[i][c], vv[c], pw);
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(*pw));
+        for (int c = 0; c < TL; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)vv[c], pv);
       }
     }
   }
