@@ -18,7 +18,9 @@
 // exact zeros), so a prompt's outputs do not depend on how it was chunked.
 //
 // Decode attention over a KV cache in the tile layout (decode_attention_tiles, at the end)
-// shares the softmax: there the cache itself holds K^T and V as the tiles read them.
+// shares the softmax, and without AMX the scores (scores_dp_all): there the cache itself holds
+// K^T and V as the products read them, and a decode row gets the bits the same query gets in
+// a prefill chunk.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -85,33 +87,80 @@ float softmax_row(const float* s, uint16_t* p, int64_t n, int64_t width, float s
   return _mm512_reduce_add_ps(sum);
 }
 
-// Scores of a 16-row group against key block kb: s[i * width + kb * 16 + j] = q_i . k_j.
-// kg: the block's K^T, [16 dim pairs][16 keys] words per 32 dims, `c_stride` words apart.
-void scores_block(const uint16_t* qbuf, int64_t d, const uint32_t* kg, int64_t c_stride,
-                  int64_t kb, float* s, int64_t width, bool tiles) {
+// Query rows and the keys they read: up to 16 rows (qbuf, d bf16 apart; zeros past `rows`);
+// kt[g]: where keys 16g ... 16g + 15's K^T starts ([16 dim pairs][16 keys] words per 32 dims,
+// `part` words apart); vt[g]: where the cache holds their values, or null (elsewhere).
+struct QueryRows {
+  const uint16_t* qbuf;
+  int64_t rows;
+  const uint32_t* const* kt;
+  const at::BFloat16* const* vt;
+  int64_t d, part;
+};
+
 #ifdef CONVEYOR_AMX
-  if (tiles) {
-    _tile_zero(2);
-    for (int64_t c = 0; c < d / 32; ++c) {
-      _tile_loadd(0, qbuf + c * 32, d * 2);
-      _tile_loadd(1, kg + c * c_stride, 64);
-      _tile_dpbf16ps(2, 0, 1);
-    }
-    _tile_stored(2, s + kb * 16, width * 4);
-    return;
+// Scores of the 16 rows against key group kb with tiles: s[i * width + kb * 16 + j].
+void scores_tiles(const QueryRows& t, int64_t kb, float* s, int64_t width) {
+  _tile_zero(2);
+  for (int64_t c = 0; c < t.d / 32; ++c) {
+    _tile_loadd(0, t.qbuf + c * 32, t.d * 2);
+    _tile_loadd(1, t.kt[kb] + c * t.part, 64);
+    _tile_dpbf16ps(2, 0, 1);
   }
+  _tile_stored(2, s + kb * 16, width * 4);
+}
 #endif
-  const auto* q = reinterpret_cast<const uint32_t*>(qbuf);
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < d / 2; ++p) {
-    const __m512bh keys =
-        (__m512bh)_mm512_loadu_si512(kg + (p / 16) * c_stride + (p % 16) * 16);
-    for (int i = 0; i < 16; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], keys, (__m512bh)_mm512_set1_epi32(
-                                                  static_cast<int>(q[i * (d / 2) + p])));
+
+// Without AMX: scores of rows [r0, r0 + R) against key groups [kb, kb + NG), s[i * width +
+// 16 * group + j], each lane its query's dim pairs in order from zero, whatever the rows or
+// groups beside it. The next NG groups' K^T lines and these groups' values in the cache (for
+// the pass after) are fetched into L2, a line each per line read: the groups lie anywhere
+// (into L1 instead, the K^T ran 0.95x at 13-48 decodes x 300-400 positions, Zen 4).
+template <int R, int NG>
+void scores_dp(const QueryRows& t, int64_t r0, int64_t kb, int64_t groups, float* s,
+               int64_t width) {
+  const int64_t half = t.d / 2;
+  const auto* q = reinterpret_cast<const uint32_t*>(t.qbuf + r0 * t.d);
+  __m512 acc[R][NG];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t w = 0; w < half; ++w) {  // dim pair w: part w / 16, row w % 16 of it
+    const int64_t at = (w / 16) * t.part + (w % 16) * 16;
+    __m512bh keys[NG];
+    for (int g = 0; g < NG; ++g) {
+      keys[g] = (__m512bh)_mm512_loadu_si512(t.kt[kb + g] + at);
+      if (kb + NG + g < groups) _mm_prefetch((const char*)(t.kt[kb + NG + g] + at), _MM_HINT_T1);
+      if (t.vt) _mm_prefetch((const char*)(t.vt[kb + g] + 2 * (w * 16)), _MM_HINT_T1);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i * half + w]));
+      for (int g = 0; g < NG; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], keys[g], qw);
+    }
   }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(s + i * width + kb * 16, acc[i]);
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + (r0 + i) * width + (kb + g) * 16, acc[i][g]);
+}
+
+// scores_dp for rows [r0, r0 + R) against groups [0, groups), 4 groups at a time.
+template <int R>
+void scores_rows(const QueryRows& t, int64_t r0, int64_t groups, float* s, int64_t width) {
+  int64_t kb = 0;
+  for (; kb + 4 <= groups; kb += 4) scores_dp<R, 4>(t, r0, kb, groups, s, width);
+  for (; kb < groups; ++kb) scores_dp<R, 1>(t, r0, kb, groups, s, width);
+}
+
+// Scores of every row against key groups [0, groups) without AMX (s[i * width + 16 kb + j] =
+// q_i . k_j), 4 rows at a time: each broadcast query pair and loaded key vector serves 4
+// products (the 16 rows a key vector, each product its own broadcast, ran 0.8x: Zen 4).
+void scores_dp_all(const QueryRows& t, int64_t groups, float* s, int64_t width) {
+  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
+    switch (std::min<int64_t>(4, t.rows - r0)) {
+      case 1: scores_rows<1>(t, r0, groups, s, width); break;
+      case 2: scores_rows<2>(t, r0, groups, s, width); break;
+      case 3: scores_rows<3>(t, r0, groups, s, width); break;
+      default: scores_rows<4>(t, r0, groups, s, width); break;
+    }
+  }
 }
 
 #ifdef CONVEYOR_AMX
@@ -236,6 +285,7 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
 #endif
     std::vector<float> s(static_cast<size_t>(16 * width));
     std::vector<uint16_t> p(static_cast<size_t>(16 * width));
+    std::vector<const uint32_t*> kt;
     alignas(64) uint16_t qbuf[16 * 256];
     alignas(64) float o[16 * 256];
     float sums[16];
@@ -247,8 +297,16 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
         load_query(qbuf + i * d, i < rows ? qd + (q0 + i) * q.stride(0) + h * q.stride(1) : nullptr,
                    d);
       const int64_t visible = offset + q0 + rows;  // keys the last row sees
-      for (int64_t kb = 0; kb * 16 < visible; ++kb)  // S = Q K^T
-        scores_block(qbuf, d, kgroup(h / group, kb), c_stride, kb, s.data(), width, tiles);
+      const int64_t groups = (visible + 15) / 16;
+      kt.resize(groups);
+      for (int64_t kb = 0; kb < groups; ++kb) kt[kb] = kgroup(h / group, kb);
+      const QueryRows r{qbuf, rows, kt.data(), nullptr, d, c_stride};
+#ifdef CONVEYOR_AMX
+      if (tiles)
+        for (int64_t kb = 0; kb < groups; ++kb) scores_tiles(r, kb, s.data(), width);
+      else
+#endif
+        scores_dp_all(r, groups, s.data(), width);  // S = Q K^T
       const int64_t used = (visible + 31) / 32 * 32;  // weights P V reads per row
       for (int64_t i = 0; i < 16; ++i) {
         if (i < rows)
@@ -422,26 +480,14 @@ std::vector<DecodeTask> decode_tasks(const std::vector<int64_t>& starts, int64_t
   return tasks;
 }
 
-// A task's rows and where they read: up to 16 query rows (qbuf, d apart) of one KV head;
-// row i sees positions [0, visible[i]); kt[g], vt[g]: where positions 16g ...'s K^T and V
-// groups start in the cache.
-struct DecodeRows {
-  const uint16_t* qbuf;
-  int64_t rows;
-  const int64_t* visible;
-  const at::BFloat16* const* kt;
-  const at::BFloat16* const* vt;
-  int64_t d;
-};
-
 #ifdef CONVEYOR_AMX
 // The rows' S = Q K^T per 16 positions, an exact softmax per row (softmax_row), O = P V per
 // 16 positions in tiles of 64 dims, divided by the row's sum and rounded to bf16 into dst[i].
 // Each row's values come from its own query and positions only, in one fixed order: a row's
 // output does not depend on the other rows.
-void attend_tiles(const DecodeRows& t, float scale, float* s, uint16_t* p, float* o,
-                  at::BFloat16* const* dst) {
-  const auto& [qbuf, rows, visible, kt, vt, d] = t;
+void attend_tiles(const QueryRows& t, const int64_t* visible, float scale, float* s,
+                  uint16_t* p, float* o, at::BFloat16* const* dst) {
+  const auto& [qbuf, rows, kt, vt, d, part] = t;
   const int64_t most = *std::max_element(visible, visible + rows);
   const int64_t groups = (most + 15) / 16, width = groups * 16;
   for (int64_t kb = 0; kb < groups; ++kb) {
@@ -453,7 +499,7 @@ void attend_tiles(const DecodeRows& t, float scale, float* s, uint16_t* p, float
     _tile_zero(4);
     for (int64_t c = 0; c < d / 32; ++c) {
       _tile_loadd(0, qbuf + c * 32, d * 2);
-      _tile_loadd(1, kt[kb] + c * 512, 64);
+      _tile_loadd(1, kt[kb] + c * part, 64);
       _tile_dpbf16ps(4, 0, 1);
     }
     _tile_stored(4, s + kb * 16, width * 4);
@@ -491,40 +537,10 @@ void attend_tiles(const DecodeRows& t, float scale, float* s, uint16_t* p, float
 }
 #endif
 
-// Without AMX: scores of R rows against NG groups of 16 positions from group kb, s[i * width
-// + 16 * group + j], each lane its query's dim pairs in order from zero (as scores_block does
-// for a prefill chunk). The next NG groups' K^T lines and these groups' V (for the pass
-// after) are fetched into L2, a line each per line read: the groups lie anywhere (into L1
-// instead, the K^T ran 0.95x at 13-48 requests x 300-400 positions, Zen 4).
-template <int R, int NG>
-void scores_dp(const DecodeRows& t, int64_t r0, int64_t kb, int64_t groups, float* s,
-               int64_t width) {
-  const int64_t half = t.d / 2;
-  const auto* q = reinterpret_cast<const uint32_t*>(t.qbuf + r0 * t.d);
-  __m512 acc[R][NG];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t w = 0; w < half; ++w) {  // the 32 dims of part w / 16: 512 elements a part
-    const int64_t at = (w / 16) * 512 + (w % 16) * 32;
-    __m512i keys[NG];
-    for (int g = 0; g < NG; ++g) {
-      keys[g] = _mm512_loadu_si512(t.kt[kb + g] + at);
-      if (kb + NG + g < groups) _mm_prefetch((const char*)(t.kt[kb + NG + g] + at), _MM_HINT_T1);
-      _mm_prefetch((const char*)(t.vt[kb + g] + at), _MM_HINT_T1);
-    }
-    for (int i = 0; i < R; ++i) {
-      const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i * half + w]));
-      for (int g = 0; g < NG; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)keys[g], qw);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + (r0 + i) * width + (kb + g) * 16, acc[i][g]);
-}
-
 // Without AMX: o rows [r0, r0 + R), dims [d0, d0 + 16 * TL) += P V over the groups, each
 // lane its position pairs in order (as values_dp does for a prefill chunk).
 template <int R, int TL>
-void values_dp_rows(const DecodeRows& t, int64_t r0, int64_t d0, int64_t groups,
+void values_dp_rows(const QueryRows& t, int64_t r0, int64_t d0, int64_t groups,
                     const uint16_t* p, int64_t width, float* o) {
   __m512 acc[R][TL];
   for (auto& row : acc)
@@ -547,7 +563,7 @@ void values_dp_rows(const DecodeRows& t, int64_t r0, int64_t d0, int64_t groups,
 
 // values_dp_rows over every 16 dims of rows [r0, r0 + R).
 template <int R>
-void values_dp_all(const DecodeRows& t, int64_t r0, int64_t groups, const uint16_t* p,
+void values_dp_all(const QueryRows& t, int64_t r0, int64_t groups, const uint16_t* p,
                    int64_t width, float* o) {
   int64_t d0 = 0;
   for (; d0 + 64 <= t.d; d0 += 64) values_dp_rows<R, 4>(t, r0, d0, groups, p, width, o);
@@ -558,31 +574,16 @@ void values_dp_all(const DecodeRows& t, int64_t r0, int64_t groups, const uint16
   }
 }
 
-// Rows [r0, r0 + R): their scores (4 groups at a time), then their P V once p holds them.
-template <int R>
-void scores_rows(const DecodeRows& t, int64_t r0, int64_t groups, float* s, int64_t width) {
-  int64_t kb = 0;
-  for (; kb + 4 <= groups; kb += 4) scores_dp<R, 4>(t, r0, kb, groups, s, width);
-  for (; kb < groups; ++kb) scores_dp<R, 1>(t, r0, kb, groups, s, width);
-}
-
 // attend_tiles without AMX, on vdpbf16ps: the same outputs as prefill_core gives those rows
 // (the same products in the same order per lane), 4 rows at a time.
-void attend_dp(const DecodeRows& t, float scale, float* s, uint16_t* p, float* o,
-               at::BFloat16* const* dst) {
-  const int64_t most = *std::max_element(t.visible, t.visible + t.rows);
+void attend_dp(const QueryRows& t, const int64_t* visible, float scale, float* s, uint16_t* p,
+               float* o, at::BFloat16* const* dst) {
+  const int64_t most = *std::max_element(visible, visible + t.rows);
   const int64_t groups = (most + 15) / 16, width = groups * 16;
-  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
-    switch (std::min<int64_t>(4, t.rows - r0)) {
-      case 1: scores_rows<1>(t, r0, groups, s, width); break;
-      case 2: scores_rows<2>(t, r0, groups, s, width); break;
-      case 3: scores_rows<3>(t, r0, groups, s, width); break;
-      default: scores_rows<4>(t, r0, groups, s, width); break;
-    }
-  }
+  scores_dp_all(t, groups, s, width);
   float sums[16];
   for (int64_t i = 0; i < t.rows; ++i)
-    sums[i] = softmax_row(s + i * width, p + i * width, t.visible[i], width, scale);
+    sums[i] = softmax_row(s + i * width, p + i * width, visible[i], width, scale);
   for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
     switch (std::min<int64_t>(4, t.rows - r0)) {
       case 1: values_dp_all<1>(t, r0, groups, p, width, o); break;
@@ -628,7 +629,8 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
 #endif
     static thread_local std::vector<float> s;  // kept between calls: no allocation per step
     static thread_local std::vector<uint16_t> p;
-    static thread_local std::vector<const at::BFloat16*> kt, vt;
+    static thread_local std::vector<const uint32_t*> kt;
+    static thread_local std::vector<const at::BFloat16*> vt;
     alignas(64) uint16_t qbuf[16 * 256];
     alignas(64) float o[16 * 256];
     for (int64_t t = t0; t < t1; ++t) {
@@ -651,17 +653,18 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
       kt.resize(groups);
       vt.resize(groups);
       for (int64_t g = 0; g < groups; ++g) {  // each 16 positions' head-block groups
-        kt[g] = kc + group_offset(tables + b0 * width, g, task.kh, kvh, bs, d);
-        vt[g] = vc + (kt[g] - kc);
+        const int64_t at = group_offset(tables + b0 * width, g, task.kh, kvh, bs, d);
+        kt[g] = reinterpret_cast<const uint32_t*>(kc + at);
+        vt[g] = vc + at;
       }
-      const DecodeRows r{qbuf, rows, visible, kt.data(), vt.data(), d};
+      const QueryRows r{qbuf, rows, kt.data(), vt.data(), d, 256};  // 32 dims: 16 x 16 words
 #ifdef CONVEYOR_AMX
       if (amx) {
-        attend_tiles(r, static_cast<float>(scale), s.data(), p.data(), o, dst);
+        attend_tiles(r, visible, static_cast<float>(scale), s.data(), p.data(), o, dst);
         continue;
       }
 #endif
-      attend_dp(r, static_cast<float>(scale), s.data(), p.data(), o, dst);
+      attend_dp(r, visible, static_cast<float>(scale), s.data(), p.data(), o, dst);
     }
 #ifdef CONVEYOR_AMX
     if (amx) _tile_release();
