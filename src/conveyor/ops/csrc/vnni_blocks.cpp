@@ -413,10 +413,14 @@ const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) 
     t.dx.resize(static_cast<size_t>(count));
     t.sx.resize(static_cast<size_t>(count));
   }
+  // Block-major (block i / m, token i % m): a thread's share is whole blocks, so the threads
+  // write apart. Token-major, at 16-32 tokens (a quad's tokens in one line) both threads
+  // wrote every line: decode steps at 16 requests ran 1.17-1.19x faster block-major, 1.03x at
+  // 32, the same at 1-13 and 60 (one thread quantizes fewer than 256 blocks; Zen 4).
   at::parallel_for(0, m * blocks, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // token i / blocks, block i % blocks
-      const int64_t token = i / blocks, b = i % blocks, at = b * stride + token;
-      const __m512i words = _mm512_loadu_si512(x + i * 32);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t token = i % m, b = i / m, at = b * stride + token;
+      const __m512i words = _mm512_loadu_si512(x + token * k + b * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
       if constexpr (has_min(Type)) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
