@@ -60,6 +60,7 @@ constexpr int64_t kVnniPass = 256;    // most tokens per pass over a task's unpa
 constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of float sums in
                                       // registers), records are read in place
 constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
+constexpr int64_t kVnniInPlace = 16;  // up to this many, records are unpacked per 8 tokens
 
 // Q4_K repacked per 32 like Q4_1, with its exact float32 scales d * sc and -dmin * m: 256
 // nibble bytes, d[16] and m[16] float32 = 384 bytes (a size no other record has).
@@ -281,9 +282,11 @@ void streamed_tokens(const VnniCall& p, const uint8_t* const (&first)[kTaskGroup
 }
 
 // y rows [m0, m0 + MR), the 16 outputs from col: one record's blocks, the sums in registers.
-// Q8_0's records hold their quads as they are and are read where they lie (`rec`, `stride`
-// bytes to the next block; the LM head at 4-13 rows 1.1-1.2x faster than copying them out
-// first); the others' were unpacked once (`records`, in block order).
+// Without `records` the records are read where they lie (`rec`, `stride` bytes to the next
+// block) and unpacked in registers: Q8_0's always (they hold their quads as they are: the LM
+// head at 4-13 rows 1.1-1.2x faster than copying them out first), the others' for passes of
+// up to kVnniInPlace tokens (decode steps at 5-13 requests 1.03-1.05x, 16 the same: Zen 4);
+// else they were unpacked once (`records`, in block order).
 template <int64_t Type, int MR>
 void record_tokens(const VnniCall& p, const RecordOf<Type>* records, const uint8_t* rec,
                    int64_t stride, int64_t col, int64_t m0, const Ahead& ahead) {
@@ -291,7 +294,7 @@ void record_tokens(const VnniCall& p, const RecordOf<Type>* records, const uint8
   for (int i = 0; i < MR; ++i) sums[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     ahead.at(b);
-    if constexpr (Type == kQ8_0) {
+    if (!records) {
       RecordOf<Type> r;
       unpack_record<Type>(rec + b * stride, r);
       add_record<Type, MR>(p, r, b, m0, sums);
@@ -314,8 +317,9 @@ struct VnniTask {
 };
 
 // A task: `streamed` (passes of up to kVnniStreamed tokens) reads the records in place;
-// otherwise they are gone through a record and 8 tokens at a time (all but Q8_0's unpacked
-// once first, `records`: [group][block]), the next task's records fetched in the first pass.
+// otherwise they are gone through a record and 8 tokens at a time (past kVnniInPlace tokens
+// all but Q8_0's unpacked once first, `records`: [group][block]), the next task's records
+// fetched in the first pass.
 template <int64_t Type>
 void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
                std::vector<RecordOf<Type>>& records) {
@@ -328,14 +332,15 @@ void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
     }
     return;
   }
-  if constexpr (Type != kQ8_0) {
+  const bool in_place = Type == kQ8_0 || m1 - m0 <= kVnniInPlace;
+  if (!in_place) {
     records.resize(static_cast<size_t>(groups * p.blocks));
     for (int64_t j = 0; j < groups; ++j)
       for (int64_t b = 0; b < p.blocks; ++b)
         unpack_record<Type>(first[j] + b * stride, records[j * p.blocks + b]);
   }
   for (int64_t j = 0; j < groups; ++j) {
-    const RecordOf<Type>* r = Type == kQ8_0 ? nullptr : records.data() + j * p.blocks;
+    const RecordOf<Type>* r = in_place ? nullptr : records.data() + j * p.blocks;
     const uint8_t* rec = first[j];
     const int64_t col = n0 + j * kGroupRows;
     for (int64_t m = m0; m < m1; m += kVnniOuter) {
