@@ -62,7 +62,7 @@ def vnni(kops):
 def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
     """On blocks (bf16 or, with VNNI, int8 inputs) and on bf16 pair tiles, a row gets the same
     bits alone, in a decode-sized batch or in a prefill-sized one (over 256 rows: two token
-    passes)."""
+    passes; 4-16 rows read int8 records in place, 8 rows at a time)."""
     out_features, in_features = 80, 1536  # 5 row tiles: one full task of 4 and a partial one
     raw = random_blocks(qtype, out_features, in_features, seed=int(qtype))
     blocks = kops.pack_dot_blocks(torch.from_numpy(raw), int(qtype), torch.bfloat16)
@@ -75,7 +75,8 @@ def test_a_rows_result_does_not_depend_on_the_batch(kops, qtype) -> None:
         weights.append(kops.pack_vnni_blocks(torch.from_numpy(raw), int(qtype)))
     for w in weights:
         together = kops.dot_linear(x, w, bias)
-        for start, rows in [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (40, 64), (1, 299)]:
+        for start, rows in [(0, 1), (7, 1), (3, 2), (10, 3), (10, 5), (20, 13), (30, 16),
+                            (40, 64), (1, 299)]:
             part = slice(start, start + rows)
             assert torch.equal(kops.dot_linear(x[part], w, bias), together[part])
     # ops.linear picks the kernel by the weight's layout (pair tiles are not oneDNN's)
@@ -152,7 +153,7 @@ def _int8_inputs_product(x: torch.Tensor, raw, qtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("rows", [1, 3, 13, 70])
 def test_int8_inputs_are_the_blocks_product_on_8_bit_inputs(vnni, qtype, rows) -> None:
     """With int8 inputs the product is the exact GGUF weights' against each token's inputs
     rounded to 8 bits per block of 32 (the scheme in float64, to the output's bf16 rounding),
@@ -177,8 +178,9 @@ def test_int8_inputs_read_k_quant_blocks(vnni, qtype) -> None:
     """Q4_K and Q6_K (llama.cpp's Q4_K_M files: 256 weights per block; Q4_K a 6-bit scale and
     min per 32, Q6_K 6-bit values and an int8 scale per 16) repacked per 32 with exact float32
     scales: the same product as on the dequantized weights but for the inputs' rounding, on
-    both of the kernel's paths (up to 3 tokens, records read in place; more, unpacked), and
-    the same bits for a row whatever the batch."""
+    the kernel's three paths (up to 3 tokens, 4 records' sums in registers; up to 16, records
+    read in place 8 tokens at a time; more, unpacked first), and the same bits for a row
+    whatever the batch."""
     rows, cols = 48, 512
     make = random_q4k_blocks if qtype == GGMLQuantizationType.Q4_K else random_q6k_blocks
     raw = make(rows, cols, seed=7)
@@ -188,7 +190,7 @@ def test_int8_inputs_read_k_quant_blocks(vnni, qtype) -> None:
     got = vnni.dot_linear(x, w, None)
     want = x.float() @ exact.T
     assert 0 < ((got.float() - want).abs().max() / want.abs().max()) < 0.02
-    for part in (slice(0, 1), slice(3, 5), slice(5, 8), slice(10, 50)):
+    for part in (slice(0, 1), slice(3, 5), slice(5, 8), slice(20, 33), slice(10, 50)):
         assert torch.equal(vnni.dot_linear(x[part], w, None), got[part])
     with pytest.raises(RuntimeError, match=rf"{qtype.name} blocks must be uint8 \[rows"):
         vnni.pack_vnni_blocks(torch.zeros(16, 2, 20, dtype=torch.uint8), int(qtype))
@@ -198,14 +200,14 @@ def test_int8_inputs_read_q4_k_and_q6_k_parts_as_one_weight(vnni) -> None:
     """A matmul fused from Q4_K and Q6_K parts (q, k and v of a Q4_K_M file's layer): both
     repacked to records of one kind (``k_mixed``) and concatenated, the product on the
     parts' dequantized weights but for the inputs' rounding, as each type's own records
-    give it, on both of the kernel's paths."""
+    give it, on the kernel's three paths."""
     parts = k_quant_parts("both")
     exact = dequantized_parts(parts)
     w = torch.cat([vnni.pack_vnni_blocks(torch.from_numpy(raw), int(qtype), True)
                    for qtype, raw in parts])
     q4k = parts[0][1]
     own = vnni.pack_vnni_blocks(torch.from_numpy(q4k), int(GGMLQuantizationType.Q4_K))
-    for rows in (2, 13):
+    for rows in (2, 13, 40):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         got = vnni.dot_linear(x, w, None)
         want = x.float() @ exact.T
