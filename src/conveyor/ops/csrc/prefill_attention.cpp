@@ -99,15 +99,17 @@ struct QueryRows {
 };
 
 #ifdef CONVEYOR_AMX
-// Scores of the 16 rows against key group kb with tiles: s[i * width + kb * 16 + j].
+// Scores of the 16 rows against key group kb with tiles (Q in tile 0, K^T in 1, the sums in
+// tile Acc: 2 in prefill_core's configuration, 4 in decode's): s[i * width + kb * 16 + j].
+template <int Acc>
 void scores_tiles(const QueryRows& t, int64_t kb, float* s, int64_t width) {
-  _tile_zero(2);
+  _tile_zero(Acc);
   for (int64_t c = 0; c < t.d / 32; ++c) {
     _tile_loadd(0, t.qbuf + c * 32, t.d * 2);
     _tile_loadd(1, t.kt[kb] + c * t.part, 64);
-    _tile_dpbf16ps(2, 0, 1);
+    _tile_dpbf16ps(Acc, 0, 1);
   }
-  _tile_stored(2, s + kb * 16, width * 4);
+  _tile_stored(Acc, s + kb * 16, width * 4);
 }
 #endif
 
@@ -304,7 +306,7 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
       const QueryRows r{qbuf, rows, kt.data(), nullptr, d, c_stride};
 #ifdef CONVEYOR_AMX
       if (tiles)
-        for (int64_t kb = 0; kb < groups; ++kb) scores_tiles(r, kb, s.data(), width);
+        for (int64_t kb = 0; kb < groups; ++kb) scores_tiles<2>(r, kb, s.data(), width);
       else
 #endif
         scores_dp_all(r, groups, s.data(), width);  // S = Q K^T
@@ -497,13 +499,7 @@ void attend_tiles(const QueryRows& t, const int64_t* visible, float scale, float
         _mm_prefetch(reinterpret_cast<const char*>(kt[kb + 1]) + byte, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vt[kb + 1]) + byte, _MM_HINT_T1);
       }
-    _tile_zero(4);
-    for (int64_t c = 0; c < d / 32; ++c) {
-      _tile_loadd(0, qbuf + c * 32, d * 2);
-      _tile_loadd(1, kt[kb] + c * part, 64);
-      _tile_dpbf16ps(4, 0, 1);
-    }
-    _tile_stored(4, s + kb * 16, width * 4);
+    scores_tiles<4>(t, kb, s, width);
   }
   float sums[16];
   for (int64_t i = 0; i < rows; ++i)  // rows past `rows` keep finite scratch; nobody reads them
@@ -620,7 +616,7 @@ at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cach
   const auto* qd = q.data_ptr<at::BFloat16>();
   auto* od = out.data_ptr<at::BFloat16>();
   const std::vector<DecodeTask> tasks = decode_tasks(starts, kvh, group);
-  const bool amx = amx_available();
+  [[maybe_unused]] const bool amx = amx_available();  // read only where AMX is compiled in
   // Handed out in shrinking runs: the requests' lengths differ (parallel_tasks.h).
   parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t0, int64_t t1) {
     const FlushDenormals flush;
