@@ -5,9 +5,12 @@ of the CPU at hand; the others go unchecked until a machine of their family star
 build error there is not an error: the engine logs it and runs the torch reference ops,
 several times slower. That happened: `kernels.cpp` compiles the matmul files as one unit,
 and where AVX512-BF16 is on, dot_blocks.cpp's and f32_linear.cpp's internals had the same
-names, so every Zen 4 and Sapphire Rapids machine lost all its kernels. Here both units are
-compiled (syntax only) for an AMX CPU (Sapphire Rapids: AMX, AVX512-BF16, VNNI and AVX2 paths
-at once) and for an AVX512-BF16 CPU without AMX (AMD Zen 4's path).
+names, so every Zen 4 and Sapphire Rapids machine lost all its kernels; and again on CPUs with
+AVX2 but no AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP), where decode attention's
+prefetches named a helper only AVX-512 builds imported. Here both units are compiled (syntax
+only) for an AMX CPU (Sapphire Rapids: AMX, AVX512-BF16, VNNI and AVX2 paths at once), an
+AVX512-BF16 CPU without AMX (AMD Zen 4's path), an AVX2 CPU (x86-64-v3) and the x86-64
+baseline (the scalar loops).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from torch.utils import cpp_extension
 
 from conveyor.ops import cpu_kernels
 
-TARGETS = {"amx": ["-march=sapphirerapids"], "avx512bf16": ["-march=x86-64-v4", "-mavx512bf16"]}
+TARGETS = {"amx": ["-march=sapphirerapids"], "avx512bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+           "avx2": ["-march=x86-64-v3"], "baseline": ["-march=x86-64"]}
 
 
 def test_the_kernels_compile_for_every_cpu_family() -> None:

@@ -45,6 +45,8 @@ using at::BFloat16;
 using at::Half;
 #ifdef __AVX512F__
 using conveyor::exp16;
+#endif
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2_ONLY)
 using conveyor::prefetch_bytes;
 #endif
 
