@@ -101,7 +101,8 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
                   (blocks || (w.scalar_type() == at::kInt && w.size(2) == kGroupRows)),
               "dot_linear: w must come from pack_dot_weight, pack_dot_blocks or pack_vnni_blocks");
   const int64_t groups = w.size(0), n = groups * kGroupRows;
-  const int64_t k = blocks ? w.size(1) * 32 : w.size(1) * 2, pairs = k / 2;
+  const int64_t k = blocks ? w.size(1) * 32 : w.size(1) * 2;
+  [[maybe_unused]] const int64_t pairs = k / 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
               "dot_linear: x must be bf16 or float32 [rows, ", k, "], got ", x.sizes(), " ",
               x.scalar_type());

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -151,19 +152,25 @@ void scores_rows(const QueryRows& t, int64_t r0, int64_t groups, float* s, int64
   for (; kb < groups; ++kb) scores_dp<R, 1>(t, r0, kb, groups, s, width);
 }
 
+// f(R, r0) for rows [r0, r0 + R) of [0, rows), R (a std::integral_constant) 4 but at the end.
+template <typename F>
+void by_four_rows(int64_t rows, F&& f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      default: f(std::integral_constant<int, 4>{}, r0); break;
+    }
+  }
+}
+
 // Scores of every row against key groups [0, groups) without AMX (s[i * width + 16 kb + j] =
 // q_i . k_j), 4 rows at a time: each broadcast query pair and loaded key vector serves 4
 // products (the 16 rows against one key vector, a broadcast per product: 0.91-0.99x of this
 // on a prefill's attention, Zen 4).
 void scores_dp_all(const QueryRows& t, int64_t groups, float* s, int64_t width) {
-  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
-    switch (std::min<int64_t>(4, t.rows - r0)) {
-      case 1: scores_rows<1>(t, r0, groups, s, width); break;
-      case 2: scores_rows<2>(t, r0, groups, s, width); break;
-      case 3: scores_rows<3>(t, r0, groups, s, width); break;
-      default: scores_rows<4>(t, r0, groups, s, width); break;
-    }
-  }
+  by_four_rows(t.rows, [&](auto r, int64_t r0) { scores_rows<r()>(t, r0, groups, s, width); });
 }
 
 #ifdef CONVEYOR_AMX
@@ -276,7 +283,7 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
                   int64_t kv_heads, double scale, const KGroup& kgroup, int64_t c_stride,
                   const uint32_t* vt, int64_t packed_v) {
   const int64_t len = q.size(0), heads = q.size(1), d = q.size(2);
-  const bool tiles = amx_available();
+  [[maybe_unused]] const bool tiles = amx_available();  // read where AMX is built in
   const int64_t width = (keys + 31) / 32 * 32;  // scores and weights per row, padded
   const int64_t group = heads / kv_heads, q_blocks = (len + 15) / 16;
   const auto* qd = q.data_ptr<at::BFloat16>();
@@ -395,7 +402,8 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& kv_cac
                   kv_cache.dim() == 4 && kv_cache.is_contiguous() && d % 32 == 0 && d <= 256 &&
                   kv_cache.size(3) % (16 * d) == 0 && heads % kv_cache.size(2) == 0,
               "prefill_attention_tiles: bf16 q [L, H, D] and a tile-layout kv_cache");
-  const int64_t kvh = kv_cache.size(2), bs = kv_cache.size(3) / d, blocks = kv_cache.size(1);
+  [[maybe_unused]] const int64_t kvh = kv_cache.size(2);  // read where AVX512-BF16 is built in
+  const int64_t bs = kv_cache.size(3) / d, blocks = kv_cache.size(1);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
                   block_table.dim() == 1 && block_table.numel() * bs >= keys && offset >= 0,
               "prefill_attention_tiles: a block table [n] long enough for offset + L keys");
@@ -581,14 +589,7 @@ void attend_dp(const QueryRows& t, const int64_t* visible, float scale, float* s
   float sums[16];
   for (int64_t i = 0; i < t.rows; ++i)
     sums[i] = softmax_row(s + i * width, p + i * width, visible[i], width, scale);
-  for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
-    switch (std::min<int64_t>(4, t.rows - r0)) {
-      case 1: values_dp_all<1>(t, r0, groups, p, width, o); break;
-      case 2: values_dp_all<2>(t, r0, groups, p, width, o); break;
-      case 3: values_dp_all<3>(t, r0, groups, p, width, o); break;
-      default: values_dp_all<4>(t, r0, groups, p, width, o); break;
-    }
-  }
+  by_four_rows(t.rows, [&](auto r, int64_t r0) { values_dp_all<r()>(t, r0, groups, p, width, o); });
   store_outputs(o, sums, t.rows, t.d, [&](int64_t i) { return dst[i]; });
 }
 

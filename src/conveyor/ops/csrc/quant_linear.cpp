@@ -229,7 +229,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w,
               "quantized_linear: needs a CPU with AMX-BF16 (and kernels built for it)");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "quantized_linear: w must come from pack_block_weights");
-  const int64_t type = type_of_record(w.size(2), "quantized_linear");
+  [[maybe_unused]] const int64_t type = type_of_record(w.size(2), "quantized_linear");
   const int64_t n = w.size(0) * 16, blocks = w.size(1), k = blocks * 32;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
               "quantized_linear: x must be bf16 [rows, ", k, "], got ", x.sizes(), " ",

@@ -523,8 +523,9 @@ at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
 }
 
 at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t type = vnni_type_of_record(w.size(2));
-  const int64_t groups = w.size(0), blocks = w.size(1), n = groups * kGroupRows, m = x.size(0);
+  [[maybe_unused]] const int64_t type = vnni_type_of_record(w.size(2));
+  const int64_t groups = w.size(0), n = groups * kGroupRows, m = x.size(0);
+  [[maybe_unused]] const int64_t blocks = w.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
