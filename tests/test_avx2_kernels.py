@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.model.device import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 RUN = """
@@ -38,19 +40,10 @@ sys.exit(pytest.main(["-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_f32
 """
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in lines
-                     if line.startswith("flags")), []))
-
-
 def test_an_avx2_only_build_passes_the_kernel_tests(tmp_path) -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler: the engine runs the torch reference ops")
-    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if not {"avx2", "fma", "f16c"} <= (cpu_flags() or frozenset()):
         pytest.skip("this CPU cannot run an x86-64-v3 build")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", RUN], cwd=ROOT, env=env, text=True,

@@ -41,15 +41,22 @@ _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has bf16 matrix units: read from the CPU flags where the OS lists
-    them (deterministic), measured otherwise. The benchmark prints the measured ratio."""
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as the OS lists them (/proc/cpuinfo), or None where it does not."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f
                           if line.startswith("flags")), None)
     except OSError:
-        flags = None
+        return None
+    return None if flags is None else frozenset(flags)
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has bf16 matrix units: read from the CPU flags where the OS lists
+    them (deterministic), measured otherwise. The benchmark prints the measured ratio."""
+    flags = cpu_flags()
     if flags is not None:
         return any(flag in flags for flag in _BF16_CPU_FLAGS)
     return cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
