@@ -283,14 +283,16 @@ def test_argmax_matches_reference_and_takes_the_first_of_ties(kernels, dtype) ->
     assert kernels.argmax(logits)[2] == 5
 
 
+@pytest.mark.parametrize("batch", [2, 10])
 @pytest.mark.parametrize("arch_overrides,kv_dtype", [({}, "auto"), ({"attention_bias": True}, "auto"),
                                                     ({}, "int8"), ({}, "tiles")])
-def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype) -> None:
+def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, kv_dtype,
+                                                      batch) -> None:
     """ops.decode_layers (model/cpu_decode.py) runs every layer of a decode-only batch in one
     C++ call: it must give bit-identical hidden states and KV writes to the layer-by-layer
     Python forward (in the engine's default dtype on this CPU: bf16 where it has bf16 matrix
-    units, else float32)."""
-    from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+    units, else float32). On two threads, 10 requests run as two shares side by side, each
+    thread every layer for its own (but where the weights are oneDNN's)."""
     from conveyor.config import ModelConfig
     from conveyor.model.device import resolve_dtype
     from conveyor.model.llama import build_model
@@ -305,30 +307,52 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16 * (1 + tiles),
                       **arch_overrides)
     model = build_model(cfg, dtype, torch.device("cpu"), None, seed=1)
-    block_size, num_blocks = (16 if tiles else 4), 16
+    block_size, width = (16 if tiles else 4), (1 if tiles else 4)
+    num_blocks = batch * width + 3
     element, shape = reference.kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads,
                                               cfg.head_dim, "auto" if tiles else kv_dtype, dtype,
                                               tiles)
     kv = torch.zeros(cfg.num_hidden_layers, *shape, dtype=element)
-    tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
-    lens = [9, 6]  # prompt lengths; each request then decodes one token
+    # Each request owns its blocks; prompt lengths of 1-15 tokens, each then decodes one.
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[
+        :batch * width].view(batch, width)
+    lens = [9, 6, 1, 15, 4, 12, 2, 7, 14, 3][:batch]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, python, fused_kv = _fused_and_python_decode(model, kv, tables, lens, block_size,
+                                                           kv_dtype)
+        packed = model._fused_decode.weights.qkv[0]
+        assert kernels.decode_parts(batch, packed) == (2 if batch == 10 and
+                                                       not packed.is_mkldnn else 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fused, python)
+    assert torch.equal(fused_kv, kv)
+
+
+def _fused_and_python_decode(model, kv, tables, lens, block_size, kv_dtype):
+    """Prefill each prompt (the Python path), then one decode step of every request through
+    the fused loop (on a copy of the cache) and the Python forward."""
+    from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+
+    batch = len(lens)
     with torch.inference_mode():
-        for i, n in enumerate(lens):  # prefill both prompts (the Python path)
+        for i, n in enumerate(lens):  # prefill each prompt (the Python path)
             pos = torch.arange(n)
             slots = tables[i][pos // block_size] * block_size + pos % block_size
             table = tables[i] if kv_dtype == "int8" else None  # int8: chunks read the cache
             meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, table)])
             model(torch.randint(0, 300, (n,)), pos, kv, meta)
         pos = torch.tensor(lens)
-        slots = tables[torch.arange(2), pos // block_size] * block_size + pos % block_size
-        meta = AttentionMetadata(slots, 2, tables, pos + 1, [])
-        ids = torch.tensor([5, 17])
+        slots = tables[torch.arange(batch), pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata(slots, batch, tables, pos + 1, [])
+        ids = torch.tensor([5, 17, 1, 299, 42, 8, 100, 3, 250, 77][:batch])
         assert model._fused_decode is not None  # model.step takes it for this batch
         fused_kv = kv.clone()
         fused = model.step(ids, pos, fused_kv, meta)
         python = model(ids, pos, kv, meta)  # forward: the Python loop
-    assert torch.equal(fused, python)
-    assert torch.equal(fused_kv, kv)
+    return fused, python, fused_kv
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

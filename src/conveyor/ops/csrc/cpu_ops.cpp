@@ -1392,54 +1392,133 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
 
 using Blocks = c10::List<std::optional<at::Tensor>>;  // per layer: GGUF blocks or None
 
-// Every decoder layer of a Llama-family model (no q/k norm) for a batch of decodes only: the
-// same ops in the same order as CausalLM.forward in Python, without returning to Python
-// between them (in a decode step, the interpreter's own work between ~300 small ops costs
-// more than the ops). x: the embeddings [T, hidden], used as the residual stream in place.
-// Returns the final-normed hidden states [T, hidden].
+// A decode batch's per-request inputs: x (the embeddings [T, hidden], used as the residual
+// stream in place), positions, slots, block tables and context lengths, one row each.
+struct DecodeRows {
+  at::Tensor x, positions, slot_mapping, block_tables, context_lens;
+
+  DecodeRows narrow(int64_t start, int64_t length) const {
+    return {x.narrow(0, start, length), positions.narrow(0, start, length),
+            slot_mapping.narrow(0, start, length), block_tables.narrow(0, start, length),
+            context_lens.narrow(0, start, length)};
+  }
+};
+
+// What decode_layers reads of the model: per layer its norms and matmul weights (packed, and
+// their GGUF blocks or None), the final norm and the attention shape.
+struct DecodeModel {
+  at::TensorList input_norms, post_norms, qkv_w;
+  const Blocks& qkv_b;
+  at::TensorList o_w, gate_up_w, down_w;
+  const Blocks &qkv_q, &o_q, &gate_up_q, &down_q;
+  const at::Tensor& final_norm;
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+// Every layer for `rows`, then the final norm: the same ops in the same order as
+// CausalLM.forward in Python. Returns the final-normed hidden states [T, hidden].
+at::Tensor decode_rows(const DecodeRows& rows, const at::Tensor& cos_sin, at::Tensor& kv_caches,
+                       const DecodeModel& m) {
+  const int64_t t = rows.x.size(0), q_size = m.num_heads * m.head_dim,
+                kv_size = m.num_kv_heads * m.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(m.head_dim));
+  at::Tensor residual = rows.x;
+  at::Tensor h = rms_norm(rows.x, m.input_norms[0], m.eps);
+  for (int64_t l = 0; l < static_cast<int64_t>(m.input_norms.size()); ++l) {
+    if (l > 0) add_rms_norm_(h, residual, m.input_norms[l], m.eps);
+    at::Tensor qkv = linear(h, m.qkv_w[l], m.qkv_q.get(l), m.qkv_b.get(l));
+    rotary_(qkv, rows.positions, cos_sin, m.num_heads + m.num_kv_heads, m.head_dim);
+    at::Tensor attn = write_decode_attention_(
+        qkv.narrow(1, q_size, kv_size).view({t, m.num_kv_heads, m.head_dim}),
+        qkv.narrow(1, q_size + kv_size, kv_size).view({t, m.num_kv_heads, m.head_dim}),
+        kv_caches.select(0, l), rows.slot_mapping,
+        qkv.narrow(1, 0, q_size).view({t, m.num_heads, m.head_dim}), rows.block_tables,
+        rows.context_lens, scale);
+    h = linear(attn.view({t, q_size}), m.o_w[l], m.o_q.get(l), std::nullopt);
+    add_rms_norm_(h, residual, m.post_norms[l], m.eps);
+    h = linear(silu_mul(linear(h, m.gate_up_w[l], m.gate_up_q.get(l), std::nullopt)),
+               m.down_w[l], m.down_q.get(l), std::nullopt);
+  }
+  add_rms_norm_(h, residual, m.final_norm, m.eps);
+  return h;
+}
+
+// A decode step of a few rows spends much of its time in the ~300 parallel regions of its
+// ops, each a fork and a join over little work, the matmuls' threads idle while attention
+// reads memory and the reverse. With at least kDecodeRowsPerPart rows a thread, each thread
+// instead runs every layer for its own share of the requests, one region for the whole
+// step: both read the weights (the second mostly from L3), but a row's result is the same
+// (the kernels give a row the same bits whatever its batch: dot_linear.cpp). Measured on 2
+// threads only (Zen 4: decode steps of 8-64 requests 1.05-1.2x, the reference workload
+// 1.13x; below 8 requests slower: docs/benchmarks.md), so only there; oneDNN-packed weights
+// (AMX) keep the split by op.
+constexpr int64_t kDecodeRowsPerPart = 4;
+constexpr int64_t kDecodePartsThreads = 2;
+
+int64_t decode_parts(int64_t rows, const at::Tensor& packed) {
+  const int64_t threads = at::get_num_threads();
+  const bool apart = threads == kDecodePartsThreads && rows >= kDecodeRowsPerPart * threads &&
+                     !packed.is_mkldnn() && !at::in_parallel_region();
+  return apart ? threads : 1;
+}
+
+// The first row of each of `parts` runs of about equal cost: a request's matmuls (~12 hidden^2
+// multiply-adds a layer, ~130 G/s on a Zen 4 thread) plus its attention's reads (2 kv_size
+// cached values a position, ~10 GB/s).
+std::vector<int64_t> decode_part_starts(const DecodeRows& rows, const at::Tensor& kv_caches,
+                                        int64_t kv_size, int64_t parts) {
+  const int64_t t = rows.x.size(0), hidden = rows.x.size(1);
+  const double row = 12.0 * hidden * hidden / 130e9,
+               position = 2.0 * kv_size * kv_caches.element_size() / 10e9;
+  const at::Tensor lens = rows.context_lens.to(at::kLong);
+  const int64_t* len = lens.data_ptr<int64_t>();
+  std::vector<double> cost(t + 1, 0.0);  // cost[i]: rows [0, i)
+  for (int64_t i = 0; i < t; ++i) cost[i + 1] = cost[i] + row + position * len[i];
+  std::vector<int64_t> starts{0};
+  for (int64_t p = 1; p < parts; ++p) {
+    const double target = cost[t] * p / parts;
+    int64_t i = starts.back() + 1;
+    while (i < t - (parts - p) && cost[i + 1] <= target) ++i;
+    starts.push_back(i);
+  }
+  starts.push_back(t);
+  return starts;
+}
+
+// Every decoder layer of a Llama-family model (no q/k norm) for a batch of decodes only, and
+// the final norm, without returning to Python between ops (in a decode step, the
+// interpreter's own work between ~300 small ops costs more than the ops).
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_sin,
                          at::Tensor kv_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          at::TensorList input_norms, at::TensorList post_norms,
-                         at::TensorList qkv_w, const c10::List<std::optional<at::Tensor>>& qkv_b,
-                         at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
-                         const Blocks& qkv_q, const Blocks& o_q, const Blocks& gate_up_q,
-                         const Blocks& down_q, const at::Tensor& final_norm, double eps, int64_t num_heads,
+                         at::TensorList qkv_w, const Blocks& qkv_b, at::TensorList o_w,
+                         at::TensorList gate_up_w, at::TensorList down_w, const Blocks& qkv_q,
+                         const Blocks& o_q, const Blocks& gate_up_q, const Blocks& down_q,
+                         const at::Tensor& final_norm, double eps, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t layers = static_cast<int64_t>(input_norms.size());
-  TORCH_CHECK(layers >= 1 && kv_caches.size(0) == layers &&
-              static_cast<int64_t>(post_norms.size()) == layers &&
-              static_cast<int64_t>(qkv_w.size()) == layers &&
-              static_cast<int64_t>(qkv_b.size()) == layers &&
-              static_cast<int64_t>(o_w.size()) == layers &&
-              static_cast<int64_t>(gate_up_w.size()) == layers &&
-              static_cast<int64_t>(down_w.size()) == layers &&
-              static_cast<int64_t>(qkv_q.size()) == layers &&
-              static_cast<int64_t>(o_q.size()) == layers &&
-              static_cast<int64_t>(gate_up_q.size()) == layers &&
-              static_cast<int64_t>(down_q.size()) == layers,
+  const auto layers = input_norms.size();
+  TORCH_CHECK(layers >= 1 && kv_caches.size(0) == static_cast<int64_t>(layers) &&
+              post_norms.size() == layers && qkv_w.size() == layers &&
+              qkv_b.size() == layers && o_w.size() == layers && gate_up_w.size() == layers &&
+              down_w.size() == layers && qkv_q.size() == layers && o_q.size() == layers &&
+              gate_up_q.size() == layers && down_q.size() == layers,
               "decode_layers: one weight of each kind per layer");
-  const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  at::Tensor residual = x;
-  at::Tensor h = rms_norm(x, input_norms[0], eps);
-  for (int64_t l = 0; l < layers; ++l) {
-    if (l > 0) add_rms_norm_(h, residual, input_norms[l], eps);
-    at::Tensor qkv = linear(h, qkv_w[l], qkv_q.get(l), qkv_b.get(l));
-    rotary_(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim);
-    at::Tensor attn = write_decode_attention_(
-        qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
-        qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim}),
-        kv_caches.select(0, l), slot_mapping,
-        qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}), block_tables, context_lens,
-        scale);
-    h = linear(attn.view({t, q_size}), o_w[l], o_q.get(l), std::nullopt);
-    add_rms_norm_(h, residual, post_norms[l], eps);
-    h = linear(silu_mul(linear(h, gate_up_w[l], gate_up_q.get(l), std::nullopt)), down_w[l],
-               down_q.get(l), std::nullopt);
-  }
-  add_rms_norm_(h, residual, final_norm, eps);
-  return h;
+  const DecodeModel model{input_norms, post_norms, qkv_w, qkv_b, o_w, gate_up_w, down_w,
+                          qkv_q, o_q, gate_up_q, down_q, final_norm, eps, num_heads,
+                          num_kv_heads, head_dim};
+  const DecodeRows rows{x, positions, slot_mapping, block_tables, context_lens};
+  const int64_t parts = decode_parts(x.size(0), qkv_w[0]);
+  if (parts == 1) return decode_rows(rows, cos_sin, kv_caches, model);
+  const auto starts = decode_part_starts(rows, kv_caches, num_kv_heads * head_dim, parts);
+  std::vector<at::Tensor> out(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      out[p] = decode_rows(rows.narrow(starts[p], starts[p + 1] - starts[p]), cos_sin,
+                           kv_caches, model);
+  });
+  return at::cat(out);
 }
 
 }  // namespace
@@ -1466,6 +1545,8 @@ TORCH_LIBRARY(conveyor, m) {
         "Tensor final_norm, float eps, int num_heads, int num_kv_heads, "
         "int head_dim) -> Tensor",
         &decode_layers);
+  // How many shares of requests decode_layers runs side by side for this many rows (tests).
+  m.def("decode_parts(int rows, Tensor packed) -> int", &decode_parts);
 }
 
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
