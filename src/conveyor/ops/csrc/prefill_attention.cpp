@@ -116,10 +116,13 @@ void scores_tiles(const QueryRows& t, int64_t kb, float* s, int64_t width) {
 
 // Without AMX: scores of rows [r0, r0 + R) against key groups [kb, kb + NG), s[i * width +
 // 16 * group + j], each lane its query's dim pairs in order from zero, whatever the rows or
-// groups beside it. The next NG groups' K^T lines and these groups' values in the cache (for
-// the pass after) are fetched into L2, a line each per line read: the groups lie anywhere
-// (into L1 instead, the K^T ran 0.95x at 13-48 decodes x 300-400 positions, Zen 4).
-template <int R, int NG>
+// groups beside it. With Fetch (decode, t.vt set: the groups lie anywhere in the cache) the next NG
+// groups' K^T lines and these groups' values (for the pass after) are fetched into L2, a line
+// each per line read (into L1 instead, the K^T ran 0.95x at 13-48 decodes x 300-400
+// positions, Zen 4); a prefill's packed K^T is in L2 already. The 16 dim pairs of a 32-dim
+// part run unrolled from hoisted pointers (the loop's address and fetch arithmetic took issue
+// slots from the products: prefill attention 1.02-1.05x at 512-2,048 tokens, Zen 4).
+template <int R, int NG, bool Fetch>
 void scores_dp(const QueryRows& t, int64_t r0, int64_t kb, int64_t groups, float* s,
                int64_t width) {
   const int64_t half = t.d / 2;
@@ -127,17 +130,32 @@ void scores_dp(const QueryRows& t, int64_t r0, int64_t kb, int64_t groups, float
   __m512 acc[R][NG];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t w = 0; w < half; ++w) {  // dim pair w: part w / 16, row w % 16 of it
-    const int64_t at = (w / 16) * t.part + (w % 16) * 16;
-    __m512bh keys[NG];
+  for (int64_t c = 0; c < half / 16; ++c) {  // dim pairs 16c ... 16c + 15: part c
+    const uint32_t* keys_at[NG];
+    [[maybe_unused]] const char* next[NG];
+    [[maybe_unused]] const char* values[NG];
     for (int g = 0; g < NG; ++g) {
-      keys[g] = (__m512bh)_mm512_loadu_si512(t.kt[kb + g] + at);
-      if (kb + NG + g < groups) _mm_prefetch((const char*)(t.kt[kb + NG + g] + at), _MM_HINT_T1);
-      if (t.vt) _mm_prefetch((const char*)(t.vt[kb + g] + 2 * (w * 16)), _MM_HINT_T1);
+      keys_at[g] = t.kt[kb + g] + c * t.part;
+      if constexpr (Fetch) {
+        next[g] = kb + NG + g < groups ? (const char*)(t.kt[kb + NG + g] + c * t.part) : nullptr;
+        values[g] = (const char*)(t.vt[kb + g] + 2 * (c * 16 * 16));
+      }
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i * half + w]));
-      for (int g = 0; g < NG; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], keys[g], qw);
+    const uint32_t* qc = q + c * 16;
+#pragma GCC unroll 16
+    for (int w = 0; w < 16; ++w) {
+      __m512bh keys[NG];
+      for (int g = 0; g < NG; ++g) {
+        keys[g] = (__m512bh)_mm512_loadu_si512(keys_at[g] + w * 16);
+        if constexpr (Fetch) {
+          if (next[g]) _mm_prefetch(next[g] + w * 64, _MM_HINT_T1);
+          _mm_prefetch(values[g] + w * 64, _MM_HINT_T1);
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int>(qc[i * half + w]));
+        for (int g = 0; g < NG; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], keys[g], qw);
+      }
     }
   }
   for (int i = 0; i < R; ++i)
@@ -145,11 +163,11 @@ void scores_dp(const QueryRows& t, int64_t r0, int64_t kb, int64_t groups, float
 }
 
 // scores_dp for rows [r0, r0 + R) against groups [0, groups), 4 groups at a time.
-template <int R>
+template <int R, bool Fetch>
 void scores_rows(const QueryRows& t, int64_t r0, int64_t groups, float* s, int64_t width) {
   int64_t kb = 0;
-  for (; kb + 4 <= groups; kb += 4) scores_dp<R, 4>(t, r0, kb, groups, s, width);
-  for (; kb < groups; ++kb) scores_dp<R, 1>(t, r0, kb, groups, s, width);
+  for (; kb + 4 <= groups; kb += 4) scores_dp<R, 4, Fetch>(t, r0, kb, groups, s, width);
+  for (; kb < groups; ++kb) scores_dp<R, 1, Fetch>(t, r0, kb, groups, s, width);
 }
 
 // f(R, r0) for rows [r0, r0 + R) of [0, rows), R (a std::integral_constant) 4 but at the end.
@@ -170,7 +188,12 @@ void by_four_rows(int64_t rows, F&& f) {
 // products (the 16 rows against one key vector, a broadcast per product: 0.91-0.99x of this
 // on a prefill's attention, Zen 4).
 void scores_dp_all(const QueryRows& t, int64_t groups, float* s, int64_t width) {
-  by_four_rows(t.rows, [&](auto r, int64_t r0) { scores_rows<r()>(t, r0, groups, s, width); });
+  by_four_rows(t.rows, [&](auto r, int64_t r0) {
+    if (t.vt)
+      scores_rows<r(), true>(t, r0, groups, s, width);
+    else
+      scores_rows<r(), false>(t, r0, groups, s, width);
+  });
 }
 
 #ifdef CONVEYOR_AMX
@@ -241,30 +264,43 @@ void values_tiles(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t 
 }
 #endif
 
+// Rows [r0, r0 + 4) x dims [d0, d0 + 16 Tiles) of P V (values_dp), each sum adding its key
+// pairs in order; the 16 pairs of a pair block unrolled from hoisted pointers.
+template <int Tiles>
+void values_dp_block(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d,
+                     int64_t pairs, float* o, int64_t r0, int64_t d0) {
+  __m512 acc[4][Tiles];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  const uint32_t* pw[4];
+  for (int r = 0; r < 4; ++r) pw[r] = reinterpret_cast<const uint32_t*>(p + (r0 + r) * width);
+  for (int64_t pb = 0; pb < pairs; ++pb) {
+    const uint32_t* vb = vh + (pb * (d / 16) + d0 / 16) * 256;
+#pragma GCC unroll 16
+    for (int pr = 0; pr < 16; ++pr) {
+      __m512bh v[Tiles];
+      for (int t = 0; t < Tiles; ++t) v[t] = (__m512bh)_mm512_loadu_si512(vb + (t * 16 + pr) * 16);
+      for (int r = 0; r < 4; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][pb * 16 + pr]));
+        for (int t = 0; t < Tiles; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[t], w);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < Tiles; ++t) _mm512_storeu_ps(o + (r0 + r) * d + d0 + t * 16, acc[r][t]);
+}
+
 // o rows [0, rows) of P V over the first `pairs` pair blocks of keys, with vdpbf16ps: 4 rows
-// x 64 dims of sums at a time, each adding its key pairs in order.
+// x 64 dims of sums at a time. (The dims' count was a run-time bound inside the loop, whose
+// branches and spilled registers made this 1.11-1.20x slower at 192-2,048 tokens, Zen 4.)
 void values_dp(const uint16_t* p, int64_t width, const uint32_t* vh, int64_t d, int64_t pairs,
                float* o, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4)
     for (int64_t d0 = 0; d0 < d; d0 += 64) {
-      const int64_t tiles = std::min<int64_t>(4, (d - d0) / 16);
-      __m512 acc[4][4];
-      for (auto& row : acc)
-        for (auto& a : row) a = _mm512_setzero_ps();
-      for (int64_t pb = 0; pb < pairs; ++pb)
-        for (int64_t pr = 0; pr < 16; ++pr) {
-          __m512bh v[4];
-          for (int64_t t = 0; t < tiles; ++t)
-            v[t] = (__m512bh)_mm512_loadu_si512(vh + ((pb * (d / 16) + d0 / 16 + t) * 16 + pr) * 16);
-          for (int64_t r = 0; r < 4; ++r) {
-            const auto* pw = reinterpret_cast<const uint32_t*>(p + (r0 + r) * width);
-            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[pb * 16 + pr]));
-            for (int64_t t = 0; t < tiles; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[t], w);
-          }
-        }
-      for (int64_t r = 0; r < 4; ++r)
-        for (int64_t t = 0; t < tiles; ++t)
-          _mm512_storeu_ps(o + (r0 + r) * d + d0 + t * 16, acc[r][t]);
+      if (d - d0 >= 64)  // d is a multiple of 32: 64 dims, or the last 32
+        values_dp_block<4>(p, width, vh, d, pairs, o, r0, d0);
+      else
+        values_dp_block<2>(p, width, vh, d, pairs, o, r0, d0);
     }
 }
 
