@@ -198,9 +198,9 @@ def test_the_page_plan_from_the_host_is_the_devices(tiny_llama_dir, monkeypatch)
     runner.host_sequences = True
     metas, step = [], runner.model.step
 
-    def capture(input_ids, positions, kv_caches, meta):
+    def capture(input_ids, positions, kv_caches, meta, keep=None):
         metas.append(meta)
-        return step(input_ids, positions, kv_caches, meta)
+        return step(input_ids, positions, kv_caches, meta, keep)
 
     monkeypatch.setattr(runner.model, "step", capture)
     shared = list(range(40, 80))

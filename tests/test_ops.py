@@ -317,26 +317,49 @@ def test_fused_decode_layers_match_the_python_forward(kernels, arch_overrides, k
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[
         :batch * width].view(batch, width)
     lens = [9, 6, 1, 15, 4, 12, 2, 7, 14, 3][:batch]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        fused, python, fused_kv = _fused_and_python_decode(model, kv, tables, lens, block_size,
-                                                           kv_dtype)
-        packed = model._fused_decode.weights.qkv[0]
-        assert kernels.decode_parts(batch, packed) == (2 if batch == 10 and
-                                                       not packed.is_mkldnn else 1)
-    finally:
-        torch.set_num_threads(threads)
+    fused, python, fused_kv, shares = _fused_and_python_decode(
+        model, kv, tables, lens, [1] * batch, block_size, kv_dtype)
+    assert torch.equal(fused, python)
+    assert torch.equal(fused_kv, kv)
+    packed = model._fused_decode.weights.qkv[0]
+    if batch == 2 or packed.is_mkldnn:
+        assert shares == [0, batch]
+    else:  # cut where the two shares' estimated costs are nearest
+        assert len(shares) == 3 and 3 <= shares[1] <= 7, shares
+
+
+def test_fused_decode_keeps_a_requests_rows_in_one_share(kernels) -> None:
+    """A request with several rows in a decode-only step (a verify, or a float32 prefill
+    chunk, whose rows run as decodes) writes K/V its later rows read in the same layer: the
+    shares decode_layers runs side by side cut only between requests. One row of one
+    request, nine of another: the only cut is after the first row (the cost-balanced one
+    would fall inside the second request, and its rows would read K/V another thread writes
+    at another time)."""
+    from conveyor.config import ModelConfig
+    from conveyor.model.llama import build_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96,
+                      intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), None, seed=1)
+    element, shape = reference.kv_cache_shape(12, 4, 2, 16, "auto", torch.float32)
+    kv = torch.zeros(cfg.num_hidden_layers, *shape, dtype=element)
+    tables = torch.tensor([[3, 7, 1, 0], [2, 9, 5, 8]])
+    fused, python, fused_kv, shares = _fused_and_python_decode(model, kv, tables, [5, 3], [1, 9],
+                                                               4, "auto")
+    packed = model._fused_decode.weights.qkv[0]
+    assert shares == ([0, 10] if packed.is_mkldnn else [0, 1, 10])
     assert torch.equal(fused, python)
     assert torch.equal(fused_kv, kv)
 
 
-def _fused_and_python_decode(model, kv, tables, lens, block_size, kv_dtype):
-    """Prefill each prompt (the Python path), then one decode step of every request through
-    the fused loop (on a copy of the cache) and the Python forward."""
+def _fused_and_python_decode(model, kv, tables, lens, rows, block_size, kv_dtype):
+    """Prefill each prompt (the Python path), then one decode-only step of `rows[i]` rows of
+    each request (positions lens[i], lens[i] + 1, ...) through the fused loop (on a copy of
+    the cache) and the Python forward, on two threads; and the shares the fused loop cut the
+    step into."""
     from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
 
-    batch = len(lens)
     with torch.inference_mode():
         for i, n in enumerate(lens):  # prefill each prompt (the Python path)
             pos = torch.arange(n)
@@ -344,15 +367,59 @@ def _fused_and_python_decode(model, kv, tables, lens, block_size, kv_dtype):
             table = tables[i] if kv_dtype == "int8" else None  # int8: chunks read the cache
             meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, table)])
             model(torch.randint(0, 300, (n,)), pos, kv, meta)
-        pos = torch.tensor(lens)
-        slots = tables[torch.arange(batch), pos // block_size] * block_size + pos % block_size
-        meta = AttentionMetadata(slots, batch, tables, pos + 1, [])
-        ids = torch.tensor([5, 17, 1, 299, 42, 8, 100, 3, 250, 77][:batch])
+        which = torch.tensor([i for i, r in enumerate(rows) for _ in range(r)])
+        pos = torch.tensor([n + j for n, r in zip(lens, rows, strict=True) for j in range(r)])
+        slots = tables[which, pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata(slots, len(pos), tables[which], pos + 1, [])
+        ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(5))
         assert model._fused_decode is not None  # model.step takes it for this batch
         fused_kv = kv.clone()
-        fused = model.step(ids, pos, fused_kv, meta)
-        python = model(ids, pos, kv, meta)  # forward: the Python loop
-    return fused, python, fused_kv
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            fused = model.step(ids, pos, fused_kv, meta)
+            python = model(ids, pos, kv, meta)  # forward: the Python loop
+            shares = torch.ops.conveyor.decode_shares(
+                torch.zeros(len(pos), model.config.hidden_size), tables[which], pos + 1, kv,
+                model.config.num_key_value_heads * model.config.head_dim,
+                model._fused_decode.weights.qkv[0])
+        finally:
+            torch.set_num_threads(threads)
+    return fused, python, fused_kv, shares
+
+
+@pytest.mark.parametrize("dtype_name", ["auto", "float32"])
+def test_forward_of_kept_rows_has_their_bits(kernels, dtype_name) -> None:
+    """With ``keep`` (the runner passes a prefill step's sampling rows) the last layer's
+    output projection and MLP run on those rows only: the same bits as the whole step's rows
+    (the kernels are batch-invariant), and the same K/V written."""
+    from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
+    from conveyor.config import ModelConfig
+    from conveyor.model.device import resolve_dtype
+    from conveyor.model.llama import build_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96,
+                      intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16)
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+    model = build_model(cfg, dtype, torch.device("cpu"), None, seed=1)
+    element, shape = reference.kv_cache_shape(16, 4, 2, 16, "auto", dtype)
+    kv = torch.zeros(cfg.num_hidden_layers, *shape, dtype=element)
+    lens, tables = [9, 6], torch.tensor([[3, 7, 1], [2, 9, 0]])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    slots = torch.cat([tables[i][torch.arange(n) // 4] * 4 + torch.arange(n) % 4
+                       for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, 9, 0, None),
+                                                    PrefillChunk(9, 6, 0, None)])
+    ids = torch.randint(0, 300, (15,), generator=torch.Generator().manual_seed(4))
+    keep = torch.tensor([8, 14])  # each prompt's last row
+    kept_kv = kv.clone()
+    with torch.inference_mode():
+        every = model.step(ids, positions, kv, meta)
+        kept = model.step(ids, positions, kept_kv, meta, keep)
+    assert kept.shape == (2, 96)
+    assert torch.equal(kept, every[keep])
+    assert torch.equal(kept_kv, kv)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -142,21 +142,29 @@ class CausalLM(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-             meta: AttentionMetadata) -> torch.Tensor:
-        """One engine step's hidden states [T, hidden]: a decode-only batch through the
-        backend's fused decode loop where it runs this model (``model/cpu_decode.py``), any
-        other batch through ``forward``."""
+             meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One engine step's hidden states [T, hidden] (with ``keep``: those rows only): a
+        decode-only batch through the backend's fused decode loop where it runs this model
+        (``model/cpu_decode.py``: it computes every row, then ``keep`` selects), any other
+        batch through ``forward``."""
         if self._fused_decode is not None and not meta.prefills:
-            return self._fused_decode(input_ids, positions, kv_caches, meta)
-        return self(input_ids, positions, kv_caches, meta)
+            hidden = self._fused_decode(input_ids, positions, kv_caches, meta)
+            return hidden if keep is None else hidden[keep]
+        return self(input_ids, positions, kv_caches, meta, keep)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, bs, KVH, D] (or another
-        layout of ``reference.kv_cache_shape``) -> [T, hidden].
+        layout of ``reference.kv_cache_shape``) -> [T, hidden]; with ``keep`` (row indices)
+        only those rows' [len(keep), hidden].
 
         Each layer: x = the previous MLP output (the embeddings first), residual = the
-        stream before it; every residual add is fused with the norm that follows it.
+        stream before it; every residual add is fused with the norm that follows it. Every
+        row's K/V are written, but the last layer's output projection and MLP run only on
+        the kept rows (in a prefill chunk, only the last row samples a token: ~1/layers of
+        the step's matmuls). With batch-invariant matmuls (the CPU kernels) a kept row's
+        bits are those it has without ``keep``.
         """
         if self._refs is None:
             self._refs = [_LayerRefs.of(layer) for layer in self.decoder_layers]
@@ -164,22 +172,28 @@ class CausalLM(nn.Module):
         x, residual = self.tp.embed(self.embed_tokens, input_ids), None
         cos_sin = self.rotary.cos_sin
         assert isinstance(cos_sin, torch.Tensor)
-        for layer, kv_cache in zip(self._refs, kv_caches, strict=True):
+        last = len(self._refs) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self._refs, kv_caches, strict=True)):
             if residual is None:
                 residual, x = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 ops.add_rms_norm_(x, residual, layer.input_norm, eps)
-            x = self._attention(layer, x, positions, cos_sin, kv_cache, meta)
+            rows = keep if i == last else None
+            x = self._attention(layer, x, positions, cos_sin, kv_cache, meta, rows)
+            if rows is not None:
+                residual = residual[rows]
             ops.add_rms_norm_(x, residual, layer.post_norm, eps)
             x = self.tp.all_reduce(layer.down_proj(ops.silu_mul(layer.gate_up_proj(x))))
         if residual is None:  # no layers
-            return ops.rms_norm(x, self.norm.weight, eps)
+            x = ops.rms_norm(x, self.norm.weight, eps)
+            return x if keep is None else x[keep]
         ops.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
 
     def _attention(self, layer: _LayerRefs, x: torch.Tensor, positions: torch.Tensor,
-                   cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-                   ) -> torch.Tensor:
+                   cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   keep: torch.Tensor | None) -> torch.Tensor:
+        """A layer's attention, through its output projection (of the ``keep`` rows only)."""
         cfg = self.config
         t, h, kvh, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = h * d, kvh * d
@@ -195,7 +209,8 @@ class CausalLM(nn.Module):
         q = qk[:, :q_size].view(t, h, d)
         k = qk[:, q_size:q_size + kv_size].view(t, kvh, d)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, d ** -0.5)
-        return self.tp.all_reduce(layer.o_proj(out.reshape(t, q_size)))
+        out = out.reshape(t, q_size)
+        return self.tp.all_reduce(layer.o_proj(out if keep is None else out[keep]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> logits [S, vocab] in the model's dtype (every rank's

@@ -134,11 +134,11 @@ class DraftModelProposer:
             num_new_tokens=s.num_computed_tokens + 1 - start, num_spec_tokens=0)
             for s in verifies), key=lambda c: c.num_new_tokens > 1)
         input_ids, positions, meta = prepare(chunks)
-        hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         last_rows = torch.tensor(np.cumsum([c.num_new_tokens for c in chunks]) - 1,
-                                 device=self.device)
-        drafts = {c.request_id: [t] for c, t in zip(chunks, self._greedy(hidden[last_rows]),
-                                                    strict=True)}
+                                 device=self.device)  # all rows when every chunk is a decode
+        keep = last_rows if len(chunks) < len(input_ids) else None
+        hidden = self.model.step(input_ids, positions, self.kv_caches, meta, keep)
+        drafts = {c.request_id: [t] for c, t in zip(chunks, self._greedy(hidden), strict=True)}
         for offset in range(1, max(s.num_spec_tokens for s in verifies)):
             rows = [s for s in verifies if s.num_spec_tokens > offset]
             hidden = self._decode(rows, [drafts[s.request_id][-1] for s in rows],

@@ -251,18 +251,22 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         samplers = [s for s in batch if s.samples]
         masks = self._start_bitmasks(samplers)  # filled while the forward pass runs
-        if self.graphs is not None and self.graphs.eligible(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
-            hidden = self.model.step(input_ids, positions, self.kv_caches, meta)
         ends = np.cumsum([s.num_new_tokens for s in batch])
-        prompt_logprobs = self._prompt_logprobs(batch, ends, hidden)
-        if not samplers:
-            return PendingStep.done(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         # A sampling request's rows: its last token's, after its drafts' (a verify).
         rows = [r for i, s in enumerate(batch) if s.samples
                 for r in range(int(ends[i]) - len(s.spec_token_ids) - 1, int(ends[i]))]
-        if len(rows) < hidden.shape[0]:  # else every token samples (decodes only): all rows
+        keep = None
+        if self.graphs is not None and self.graphs.eligible(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:  # mixed prefill + decode steps (and any step without graphs) run eagerly
+            # Only the sampling rows' hidden states are needed, unless a prompt's logprobs are.
+            if 0 < len(rows) < len(input_ids) and not self._wants_prompt_logprobs(batch):
+                keep = self._upload(rows)
+            hidden = self.model.step(input_ids, positions, self.kv_caches, meta, keep)
+        prompt_logprobs = self._prompt_logprobs(batch, ends, hidden) if keep is None else {}
+        if not samplers:
+            return PendingStep.done(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
+        if keep is None and len(rows) < hidden.shape[0]:  # else every token samples: all rows
             hidden = hidden[self._upload(rows)]
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
@@ -310,6 +314,11 @@ class ModelRunner:
         for i, s in enumerate(samplers):
             self._pending[s.request_id] = (step, i)
         return step
+
+    def _wants_prompt_logprobs(self, batch: list[ScheduledRequest]) -> bool:
+        """Whether a request of the batch asked for its prompt's logprobs."""
+        return any((state := self.states.get(s.request_id)) is not None
+                   and state.params.prompt_logprobs is not None for s in batch)
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], ends: np.ndarray,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[dict[int, Any]]]]:

@@ -1463,28 +1463,62 @@ int64_t decode_parts(int64_t rows, const at::Tensor& packed) {
   return apart ? threads : 1;
 }
 
-// The first row of each of `parts` runs of about equal cost: a request's matmuls (~12 hidden^2
-// multiply-adds a layer, ~100 G/s on a Zen 4 thread at 6-16 rows) plus its attention's reads
-// (2 kv_size cached values a position, ~10 GB/s), each cut where it is nearest its share.
+// Whether rows i - 1 and i are one request's (a verify's rows, or a float32 prefill chunk's,
+// which run as decodes: consecutive positions under the same block table). A share must hold
+// all of a request's rows: a row reads the K/V that the rows before it write in the same
+// layer, and another thread's share would write them at another time.
+bool same_request(const at::Tensor& tables, const int64_t* len, int64_t i) {
+  if (len[i] != len[i - 1] + 1) return false;
+  const auto* row = static_cast<const char*>(tables.data_ptr());
+  const int64_t bytes = tables.size(1) * tables.element_size(),
+                stride = tables.stride(0) * tables.element_size();
+  return std::memcmp(row + i * stride, row + (i - 1) * stride, bytes) == 0;
+}
+
+// The first row of each run of about equal cost (at most `parts` runs, fewer where a
+// request's rows leave no other cut): a request's matmuls (~12 hidden^2 multiply-adds a
+// layer, ~100 G/s on a Zen 4 thread at 6-16 rows) plus its attention's reads (2 kv_size
+// cached values a position, ~10 GB/s), each cut between requests where nearest its share.
 std::vector<int64_t> decode_part_starts(const DecodeRows& rows, const at::Tensor& kv_caches,
                                         int64_t kv_size, int64_t parts) {
   const int64_t t = rows.x.size(0), hidden = rows.x.size(1);
   const double row = 12.0 * hidden * hidden / 100e9,
                position = 2.0 * kv_size * kv_caches.element_size() / 10e9;
-  const at::Tensor lens = rows.context_lens.to(at::kLong);
+  const at::Tensor lens = rows.context_lens.to(at::kLong), tables = rows.block_tables;
   const int64_t* len = lens.data_ptr<int64_t>();
   std::vector<double> cost(t + 1, 0.0);  // cost[i]: rows [0, i)
   for (int64_t i = 0; i < t; ++i) cost[i + 1] = cost[i] + row + position * len[i];
   std::vector<int64_t> starts{0};
   for (int64_t p = 1; p < parts; ++p) {
     const double target = cost[t] * p / parts;
-    int64_t i = starts.back() + 1;
-    // the cut nearest the target: past it by less than short of it
-    while (i < t - (parts - p) && cost[i + 1] - target < target - cost[i]) ++i;
-    starts.push_back(i);
+    int64_t best = -1;
+    for (int64_t i = starts.back() + 1; i < t; ++i)
+      if (!same_request(tables, len, i) &&
+          (best < 0 || std::abs(cost[i] - target) < std::abs(cost[best] - target)))
+        best = i;
+    if (best < 0) break;
+    starts.push_back(best);
   }
   starts.push_back(t);
   return starts;
+}
+
+// The first row of each share decode_layers runs side by side, and the end: {0, rows} when
+// it runs them as one batch.
+std::vector<int64_t> decode_shares(const DecodeRows& rows, const at::Tensor& kv_caches,
+                                   int64_t kv_size, const at::Tensor& packed) {
+  const int64_t t = rows.x.size(0), most = decode_parts(t, packed);
+  if (most == 1) return {0, t};
+  return decode_part_starts(rows, kv_caches, kv_size, most);
+}
+
+// decode_shares for tests: x [T, hidden], the step's block tables and context lengths, the
+// KV cache and a layer's packed qkv weight.
+std::vector<int64_t> decode_shares_of(const at::Tensor& x, const at::Tensor& block_tables,
+                                      const at::Tensor& context_lens, const at::Tensor& kv_caches,
+                                      int64_t kv_size, const at::Tensor& packed) {
+  return decode_shares({x, at::Tensor(), at::Tensor(), block_tables, context_lens}, kv_caches,
+                       kv_size, packed);
 }
 
 // Every decoder layer of a Llama-family model (no q/k norm) for a batch of decodes only, and
@@ -1510,9 +1544,9 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions, const at::Te
                           qkv_q, o_q, gate_up_q, down_q, final_norm, eps, num_heads,
                           num_kv_heads, head_dim};
   const DecodeRows rows{x, positions, slot_mapping, block_tables, context_lens};
-  const int64_t parts = decode_parts(x.size(0), qkv_w[0]);
+  const auto starts = decode_shares(rows, kv_caches, num_kv_heads * head_dim, qkv_w[0]);
+  const int64_t parts = static_cast<int64_t>(starts.size()) - 1;
   if (parts == 1) return decode_rows(rows, cos_sin, kv_caches, model);
-  const auto starts = decode_part_starts(rows, kv_caches, num_kv_heads * head_dim, parts);
   std::vector<at::Tensor> out(parts);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
@@ -1546,8 +1580,9 @@ TORCH_LIBRARY(conveyor, m) {
         "Tensor final_norm, float eps, int num_heads, int num_kv_heads, "
         "int head_dim) -> Tensor",
         &decode_layers);
-  // How many shares of requests decode_layers runs side by side for this many rows (tests).
-  m.def("decode_parts(int rows, Tensor packed) -> int", &decode_parts);
+  // Where decode_layers cuts a batch into shares of requests run side by side (tests).
+  m.def("decode_shares(Tensor x, Tensor block_tables, Tensor context_lens, Tensor kv_caches, "
+        "int kv_size, Tensor packed) -> int[]", &decode_shares_of);
 }
 
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
