@@ -1450,9 +1450,9 @@ at::Tensor decode_rows(const DecodeRows& rows, const at::Tensor& cos_sin, at::Te
 // instead runs every layer for its own share of the requests, one region for the whole
 // step: both read the weights (the second mostly from L3), but a row's result is the same
 // (the kernels give a row the same bits whatever its batch: dot_linear.cpp). Measured on 2
-// threads only (Zen 4: decode steps of 8-64 requests 1.05-1.2x, the reference workload
-// 1.13x; below 8 requests slower: docs/benchmarks.md), so only there; oneDNN-packed weights
-// (AMX) keep the split by op.
+// threads only (Zen 4: decode steps of 13-64 requests 1.05-1.16x, 8 requests 0.98-1.05x,
+// the reference workload 1.01-1.03x; fewer requests slower: docs/benchmarks.md), so only
+// there; oneDNN-packed weights (AMX) keep the split by op.
 constexpr int64_t kDecodeRowsPerPart = 4;
 constexpr int64_t kDecodePartsThreads = 2;
 
