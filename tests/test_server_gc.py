@@ -1,7 +1,7 @@
 """`conveyor serve` freezes what start-up built (gc.freeze): the collector's full passes,
 which hold the GIL and with it the engine's loop, then skip the model's, the tokenizer's and
 the app's objects (docs/benchmarks.md, seventh session on Zen 4: one pass over the unfrozen
-heap held a 64-stream decode for 181 ms)."""
+heap held a 64-stream decode for 173 ms)."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     engine.on_dead = on_engine_dead
     # What start-up built (the model, the tokenizer, the app: ~230k objects) lives as long as
     # the server: frozen, the collector's full passes skip it. Each pass holds the GIL, and
-    # the engine's loop with it: over the unfrozen heap one took 181 ms in a 64-stream
+    # the engine's loop with it: over the unfrozen heap one took 173 ms in a 64-stream
     # decode (Zen 4, docs/benchmarks.md). vLLM's engine freezes its start-up heap likewise.
     gc.collect()
     gc.freeze()

@@ -116,9 +116,9 @@ void scores_tiles(const QueryRows& t, int64_t kb, float* s, int64_t width) {
 
 // Without AMX: scores of rows [r0, r0 + R) against key groups [kb, kb + NG), s[i * width +
 // 16 * group + j], each lane its query's dim pairs in order from zero, whatever the rows or
-// groups beside it. With Fetch (decode, t.vt set: the groups lie anywhere in the cache) the next NG
-// groups' K^T lines and these groups' values (for the pass after) are fetched into L2, a line
-// each per line read (into L1 instead, the K^T ran 0.95x at 13-48 decodes x 300-400
+// groups beside it. With Fetch (decode, t.vt set: the groups lie anywhere in the cache) the
+// next NG groups' K^T lines and these groups' values (for the pass after) are fetched into L2,
+// a line each per line read (into L1 instead, the K^T ran 0.95x at 13-48 decodes x 300-400
 // positions, Zen 4); a prefill's packed K^T is in L2 already. The 16 dim pairs of a 32-dim
 // part run unrolled from hoisted pointers (the loop's address and fetch arithmetic took issue
 // slots from the products: prefill attention 1.02-1.05x at 512-2,048 tokens, Zen 4).
