@@ -14,8 +14,10 @@ struct TokenPasses {
   int64_t count;  // passes
   int64_t len;    // rows of every pass but possibly the last (which is at most this long)
 
-  TokenPasses(int64_t m, int64_t most)
-      : count((m + most - 1) / most), len(count ? (m + count - 1) / count : 0) {}
+  // `align` (dividing `most`): every pass but the last starts and ends at a multiple of it.
+  TokenPasses(int64_t m, int64_t most, int64_t align = 1)
+      : count((m + most - 1) / most),
+        len(count ? ((m + count - 1) / count + align - 1) / align * align : 0) {}
   int64_t begin(int64_t pass) const { return pass * len; }
   int64_t end(int64_t pass, int64_t m) const { return std::min(m, (pass + 1) * len); }
 };

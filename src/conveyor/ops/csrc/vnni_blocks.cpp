@@ -60,6 +60,7 @@ constexpr int64_t kVnniPass = 256;    // most tokens per pass over a task's unpa
 constexpr int64_t kVnniStreamed = 3;  // up to this many tokens (x 4 records of float sums in
                                       // registers), records are read in place
 constexpr int kVnniOuter = 8;         // beyond: 8 tokens x one record's float and int sums
+                                      // (and the quantized inputs' tiles: VnniCall)
 constexpr int64_t kVnniInPlace = 16;  // up to this many, records are unpacked per 8 tokens
 
 // Q4_K repacked per 32 like Q4_1, with its exact float32 scales d * sc and -dmin * m: 256
@@ -105,20 +106,42 @@ constexpr int32_t vnni_offset(int64_t type) {
 
 #ifdef CONVEYOR_VNNI
 
-// A call's tokens, quantized: per block and token, the int8 values (4 to a 32-bit word), the
-// scale, the int32 sum starts (-offset * sum qx; Q6_K: of each half) and (Q4_1) the float32
-// sums of x. The tokens are the minor index, so a tile's tokens are one pointer and constant
-// offsets.
+// A call's tokens, quantized, in tiles of kVnniOuter tokens (`width`: fewer when the call has
+// fewer), a tile's blocks one after another: per tile and block the tokens' 8 quads side by
+// side (token i's quad c at word 8i + c), then per token its int32 sum start (-offset * sum
+// qx; 6-bit types: of inputs 0-15), the 6-bit types' start of inputs 16-31, the scale dx and
+// (Q4_1) the float32 sum of x. A register tile of tokens reads one run of memory per block,
+// at constant offsets from one pointer. (Laid out quad by quad over all the call's tokens,
+// a block's eight quads were eight lines far apart, addressed token by token: ~40 % of the
+// inner loop's instructions computed addresses, and the matmuls at 2,048 rows ran ~1.2x
+// slower, Zen 4.)
+constexpr int64_t kVnniWords = 12;  // words per token and block: 8 quads, 4 scalars
+
 struct VnniCall {
-  const int32_t* q;     // [blocks * 8 quads, stride]
-  const float* dx;      // [blocks, stride]
-  const int32_t* init;  // [blocks, stride] (Q6_K: of inputs 0-15)
-  const int32_t* init_b;  // Q6_K: of inputs 16-31, [blocks, stride]
-  const float* sx;      // [blocks, stride]
-  int64_t stride;       // token_stride(m)
+  const int32_t* tokens;  // [tiles][blocks][width * kVnniWords]
+  int64_t width;          // tokens per tile: min(m, kVnniOuter)
   int64_t blocks, n;
   const float* bias;  // [n] or null
   uint16_t* y;        // [m, n] bf16
+};
+
+// Tokens [m0, m0 + MR) of one block (m0 starts a tile): their quads and per-token values
+// (`Int`: const int32_t where the kernels read them, int32_t where they are written).
+template <typename Int>
+struct TokenBlockOf {
+  using Float = std::conditional_t<std::is_const_v<Int>, const float, float>;
+  Int *q, *init, *init_b;
+  Float *dx, *sx;
+  TokenBlockOf(Int* tokens, int64_t width, int64_t blocks, int64_t m0, int64_t b)
+      : q(tokens + ((m0 / kVnniOuter) * blocks + b) * width * kVnniWords),
+        init(q + 8 * width),
+        init_b(init + width),
+        dx(reinterpret_cast<Float*>(init_b + width)),
+        sx(dx + width) {}
+};
+struct TokenBlock : TokenBlockOf<const int32_t> {
+  TokenBlock(const VnniCall& p, int64_t m0, int64_t b)
+      : TokenBlockOf(p.tokens, p.width, p.blocks, m0, b) {}
 };
 
 // One record (16 rows, one block) as the products read it: its 8 quads (bytes of inputs
@@ -187,13 +210,13 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
   return acc;
 }
 
-// dot[i] += token i's products with quads [C0, C1) of a record (xq: token 0's quad 0, the
-// tokens' quads `stride` apart), the tokens' chains side by side.
+// dot[i] += token i's products with quads [C0, C1) of a record (q: token i's quad c at
+// q[8i + c]), the tokens' chains side by side.
 template <int C0, int C1, int MR>
-inline void add_quads(__m512i (&dot)[MR], const Record& r, const int32_t* xq, int64_t stride) {
+inline void add_quads(__m512i (&dot)[MR], const Record& r, const int32_t* q) {
 #pragma GCC unroll 8
   for (int c = C0; c < C1; ++c)
-    for (int i = 0; i < MR; ++i) dot[i] = dpbusd_broadcast(dot[i], r.quads[c], xq + c * stride + i);
+    for (int i = 0; i < MR; ++i) dot[i] = dpbusd_broadcast(dot[i], r.quads[c], q + 8 * i + c);
 }
 
 // A 6-bit record's block b for tokens [m0, m0 + MR): each half's int32 dot products (chains
@@ -202,22 +225,21 @@ inline void add_quads(__m512i (&dot)[MR], const Record& r, const int32_t* xq, in
 template <int64_t Type, int MR>
 inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t b, int64_t m0,
                                __m512 (&sums)[MR]) {
-  const int32_t* xq = p.q + b * 8 * p.stride + m0;
-  const int64_t at = b * p.stride + m0;
+  const TokenBlock t(p, m0, b);
   __m512i dot[MR];
   __m512 half[MR];
-  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
-  add_quads<0, 4>(dot, r, xq, p.stride);
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(t.init[i]);
+  add_quads<0, 4>(dot, r, t.q);
   for (int i = 0; i < MR; ++i) {
     half[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), r.d);
-    dot[i] = _mm512_set1_epi32(p.init_b[at + i]);
+    dot[i] = _mm512_set1_epi32(t.init_b[i]);
   }
-  add_quads<4, 8>(dot, r, xq, p.stride);
+  add_quads<4, 8>(dot, r, t.q);
   for (int i = 0; i < MR; ++i) {
     half[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), r.db, half[i]);
-    sums[i] = _mm512_fmadd_ps(half[i], _mm512_set1_ps(p.dx[at + i]), sums[i]);
+    sums[i] = _mm512_fmadd_ps(half[i], _mm512_set1_ps(t.dx[i]), sums[i]);
     if constexpr (has_min(Type))
-      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
+      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(t.sx[i]), sums[i]);
   }
 }
 
@@ -232,16 +254,15 @@ inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, in
     add_six_bit_record<Type, MR>(p, r, b, m0, sums);
     return;
   }
-  const int32_t* xq = p.q + b * 8 * p.stride + m0;  // token m0 + i's quad c: xq[c * stride + i]
-  const int64_t at = b * p.stride + m0;  // token m0's block b in the per-block arrays
+  const TokenBlock t(p, m0, b);
   __m512i dot[MR];
-  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(p.init[at + i]);
-  add_quads<0, 8>(dot, r, xq, p.stride);
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(t.init[i]);
+  add_quads<0, 8>(dot, r, t.q);
   for (int i = 0; i < MR; ++i) {
-    const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(p.dx[at + i]));
+    const __m512 ddx = _mm512_mul_ps(r.d, _mm512_set1_ps(t.dx[i]));
     sums[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), ddx, sums[i]);
     if constexpr (has_min(Type))
-      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(p.sx[at + i]), sums[i]);
+      sums[i] = _mm512_fmadd_ps(r.mv, _mm512_set1_ps(t.sx[i]), sums[i]);
   }
 }
 
@@ -362,7 +383,7 @@ void vnni_task(const VnniCall& p, const VnniTask& t, bool streamed,
 template <int64_t Type>
 void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = vnni_record_bytes(Type);
-  const TokenPasses passes(m, kVnniPass);
+  const TokenPasses passes(m, kVnniPass, kVnniOuter);  // passes start tiles
   // Tasks: (token pass, outputs), pass-major, so a thread's run of tasks shares x's rows. A
   // few tokens take 64 outputs per task (their register tile); more go a record at a time
   // anyway and take 16, which splits a small matmul evenly (15 tasks of 64 outputs left one
@@ -390,71 +411,53 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
 }
 
 // The tokens' inputs quantized per block of 32 (see the top of the file), in VnniCall's
-// layout: the calling thread's buffers, kept between calls (grown, never shrunk) so that
-// no call writes to fresh pages.
-struct QuantizedTokens {
-  std::vector<int32_t> q, init, init_b;
-  std::vector<float> dx, sx;
-};
-
-// The distance between one block's (or quad's) tokens and the next's: m for a few tokens (a
-// decode's block in one line), else an odd number of 64-byte lines, so that a tile's rows do
-// not all fall into one L1 set (2048 tokens, 8 KiB apart, ran 1.25x slower).
-int64_t token_stride(int64_t m) {
-  return m < 16 ? m : 16 * (((m + 15) / 16) | 1);
-}
-
+// layout: the calling thread's buffer, kept between calls (grown, never shrunk) so that no
+// call writes to fresh pages.
 // A block with a NaN or an infinity gets the scale NaN and zeros for values: its products are
 // NaN, as the bf16 kernels' are (rounding NaN to an integer would give INT_MIN).
 template <int64_t Type>
-const QuantizedTokens& quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
-  const int64_t blocks = k / 32, stride = token_stride(m), count = stride * blocks;
-  static thread_local QuantizedTokens mine;
-  QuantizedTokens& t = mine;  // the lambda below runs on other threads: not their `mine`
-  if (t.init.size() < static_cast<size_t>(count)) {
-    t.q.resize(static_cast<size_t>(count * 8));
-    t.init.resize(static_cast<size_t>(count));
-    t.init_b.resize(static_cast<size_t>(count));
-    t.dx.resize(static_cast<size_t>(count));
-    t.sx.resize(static_cast<size_t>(count));
-  }
+const int32_t* quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
+  const int64_t blocks = k / 32, width = std::min<int64_t>(m, kVnniOuter);
+  const int64_t tiles = (m + kVnniOuter - 1) / kVnniOuter;
+  static thread_local std::vector<int32_t> mine;
+  std::vector<int32_t>& t = mine;  // the lambda below runs on other threads: not their `mine`
+  const auto words = static_cast<size_t>(tiles * blocks * width * kVnniWords);
+  if (t.size() < words) t.resize(words);
   // Block-major (block i / m, token i % m): a thread's share is whole blocks, so the threads
   // write apart. Token-major, at 16-32 tokens (a quad's tokens in one line) both threads
   // wrote every line: decode steps at 16 requests ran 1.17-1.19x faster block-major, 1.03x at
   // 32, the same at 1-13 and 60 (one thread quantizes fewer than 256 blocks; Zen 4).
   at::parallel_for(0, m * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t token = i % m, b = i / m, at = b * stride + token;
+      const int64_t token = i % m, b = i / m, lane = token % kVnniOuter;
+      const TokenBlockOf<int32_t> at(t.data(), width, blocks, token, b);
       const __m512i words = _mm512_loadu_si512(x + token * k + b * 32);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));  // even inputs
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
-      if constexpr (has_min(Type)) t.sx[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if constexpr (has_min(Type)) at.sx[lane] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const bool finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
       const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-      t.dx[at] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+      at.dx[lane] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
       const __m512i qlo = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)))
                                  : _mm512_setzero_si512();
       const __m512i qhi = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)))
                                  : _mm512_setzero_si512();
       const __m512i both = _mm512_add_epi32(qlo, qhi);  // lanes 0-7: inputs 0-15
       if constexpr (six_bit(Type)) {
-        t.init[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0x00FF, both);
-        t.init_b[at] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0xFF00, both);
+        at.init[lane] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0x00FF, both);
+        at.init_b[lane] = -vnni_offset(Type) * _mm512_mask_reduce_add_epi32(0xFF00, both);
       } else {
-        t.init[at] = -vnni_offset(Type) * _mm512_reduce_add_epi32(both);
+        at.init[lane] = -vnni_offset(Type) * _mm512_reduce_add_epi32(both);
       }
       // Back to input order (even inputs in qlo, odd in qhi): word c = byte 2c | byte 2c + 1.
       const __m512i bytes = _mm512_set1_epi32(0xFF);
       const __m512i pairs = _mm512_or_si512(_mm512_and_si512(qlo, bytes),
                                             _mm512_slli_epi32(_mm512_and_si512(qhi, bytes), 8));
-      alignas(32) int32_t quads[8];
-      _mm256_store_si256((__m256i*)quads, _mm512_cvtepi32_epi16(pairs));
-      for (int64_t c = 0; c < 8; ++c)
-        t.q[static_cast<size_t>((b * 8 + c) * stride + token)] = quads[c];
+      _mm256_storeu_si256((__m256i*)(at.q + 8 * lane), _mm512_cvtepi32_epi16(pairs));
     }
   });
-  return t;
+  return t.data();
 }
 
 #endif  // CONVEYOR_VNNI
@@ -532,13 +535,13 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   // The offset (8 but for Q8_0 and Q6_K), whether x's sums are needed and whether the sum
   // starts are per half depend on the type alone.
-  const QuantizedTokens& t = type == kQ8_0   ? quantize_tokens<kQ8_0>(xd, m, blocks * 32)
-                             : type == kQ6_K ? quantize_tokens<kQ6_K>(xd, m, blocks * 32)
-                             : type == kKMixed ? quantize_tokens<kKMixed>(xd, m, blocks * 32)
-                             : has_min(type) ? quantize_tokens<kQ4_1>(xd, m, blocks * 32)
-                                             : quantize_tokens<kQ4_0>(xd, m, blocks * 32);
-  const VnniCall p{t.q.data(), t.dx.data(), t.init.data(), t.init_b.data(), t.sx.data(),
-                   token_stride(m), blocks, n, bias,
+  const int64_t k = blocks * 32;
+  const int32_t* t = type == kQ8_0     ? quantize_tokens<kQ8_0>(xd, m, k)
+                     : type == kQ6_K   ? quantize_tokens<kQ6_K>(xd, m, k)
+                     : type == kKMixed ? quantize_tokens<kKMixed>(xd, m, k)
+                     : has_min(type)   ? quantize_tokens<kQ4_1>(xd, m, k)
+                                       : quantize_tokens<kQ4_0>(xd, m, k);
+  const VnniCall p{t, std::min<int64_t>(m, kVnniOuter), blocks, n, bias,
                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
