@@ -21,6 +21,7 @@ from conveyor.deploy.bridge import ForwardedRequest, ResponseStart, call_asgi
 from conveyor.deploy.metrics import PUSH_PERIOD_S, metrics_hub
 from conveyor.deploy.routing import replica_name
 from conveyor.server.config import ServerConfig
+from conveyor.server.lifecycle import freeze_start_up_heap
 
 logger = logging.getLogger("conveyor.deploy")
 
@@ -52,6 +53,7 @@ class EngineReplica:
         self.name = replica_name(serve.get_replica_context().replica_id)
         self._hub = metrics_hub(hub_name)
         self._pusher = asyncio.create_task(self._push_metrics())
+        freeze_start_up_heap()  # the actor's process keeps this one engine to its end
         logger.info("replica %s (pid %d) serving %s", self.name, os.getpid(),
                     self.engine.model_name)
 

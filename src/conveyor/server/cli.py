@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import logging
 import os
 import socket
@@ -130,7 +129,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.server.app import build_app
     from conveyor.server.connections import ReadTimeouts, timed_protocol
-    from conveyor.server.lifecycle import GracefulServer
+    from conveyor.server.lifecycle import GracefulServer, freeze_start_up_heap
 
     # Build the engine off the main thread, whose OpenMP workers would otherwise outlive the
     # load beside the engine loop's: with more OpenMP threads than cores libgomp stops
@@ -159,12 +158,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig) -> int:
         server.should_exit = True
 
     engine.on_dead = on_engine_dead
-    # What start-up built (the model, the tokenizer, the app: ~230k objects) lives as long as
-    # the server: frozen, the collector's full passes skip it. Each pass holds the GIL, and
-    # the engine's loop with it: over the unfrozen heap one took 173 ms in a 64-stream
-    # decode (Zen 4, docs/benchmarks.md). vLLM's engine freezes its start-up heap likewise.
-    gc.collect()
-    gc.freeze()
+    freeze_start_up_heap()
     try:
         server.run()
     finally:
