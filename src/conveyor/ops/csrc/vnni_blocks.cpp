@@ -424,9 +424,9 @@ const int32_t* quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
   const auto words = static_cast<size_t>(tiles * blocks * width * kVnniWords);
   if (t.size() < words) t.resize(words);
   // Block-major (block i / m, token i % m): a thread's share is whole blocks, so the threads
-  // write apart. Token-major, at 16-32 tokens (a quad's tokens in one line) both threads
-  // wrote every line: decode steps at 16 requests ran 1.17-1.19x faster block-major, 1.03x at
-  // 32, the same at 1-13 and 60 (one thread quantizes fewer than 256 blocks; Zen 4).
+  // write apart. (Measured on the earlier layout, quad by quad over all tokens: token-major,
+  // at 16-32 tokens both threads wrote every line, and decode steps at 16 requests ran
+  // 1.17-1.19x faster block-major, 1.03x at 32, the same at 1-13 and 60; Zen 4.)
   at::parallel_for(0, m * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t token = i % m, b = i / m, lane = token % kVnniOuter;
