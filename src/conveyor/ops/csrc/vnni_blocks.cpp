@@ -117,9 +117,12 @@ constexpr int32_t vnni_offset(int64_t type) {
 // slower, Zen 4.)
 constexpr int64_t kVnniWords = 12;  // words per token and block: 8 quads, 4 scalars
 
+// Tokens per tile of a call of m tokens: the writer's (quantize_tokens) and the readers'.
+inline int64_t tile_width(int64_t m) { return std::min<int64_t>(m, kVnniOuter); }
+
 struct VnniCall {
   const int32_t* tokens;  // [tiles][blocks][width * kVnniWords]
-  int64_t width;          // tokens per tile: min(m, kVnniOuter)
+  int64_t width;          // tile_width(m)
   int64_t blocks, n;
   const float* bias;  // [n] or null
   uint16_t* y;        // [m, n] bf16
@@ -417,7 +420,7 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
 // NaN, as the bf16 kernels' are (rounding NaN to an integer would give INT_MIN).
 template <int64_t Type>
 const int32_t* quantize_tokens(const uint16_t* x, int64_t m, int64_t k) {
-  const int64_t blocks = k / 32, width = std::min<int64_t>(m, kVnniOuter);
+  const int64_t blocks = k / 32, width = tile_width(m);
   const int64_t tiles = (m + kVnniOuter - 1) / kVnniOuter;
   static thread_local std::vector<int32_t> mine;
   std::vector<int32_t>& t = mine;  // the lambda below runs on other threads: not their `mine`
@@ -541,7 +544,7 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
                      : type == kKMixed ? quantize_tokens<kKMixed>(xd, m, k)
                      : has_min(type)   ? quantize_tokens<kQ4_1>(xd, m, k)
                                        : quantize_tokens<kQ4_0>(xd, m, k);
-  const VnniCall p{t, std::min<int64_t>(m, kVnniOuter), blocks, n, bias,
+  const VnniCall p{t, tile_width(m), blocks, n, bias,
                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
   const auto* wd = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   switch (type) {
