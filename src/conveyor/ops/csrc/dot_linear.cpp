@@ -13,6 +13,7 @@
 // The pair tiles come packed once at load (pack_dot_weight) from bf16 weights. GGUF blocks
 // (pack_dot_blocks) go to dot_blocks.cpp, which reads them in the same pair order.
 
+#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "dot_tiles.h"
@@ -120,26 +121,19 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
   const TokenPasses passes(m, kTokenPass);
   const int64_t group_words = pairs * kGroupRows;
+  // past the last group: zeros
+  const std::vector<uint32_t> zeros(static_cast<size_t>(groups % kTaskGroups ? group_words : 0));
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
-  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint32_t> zeros;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
-      const int64_t here = std::min(kTaskGroups, groups - first);
-      const uint32_t* g[kTaskGroups];
-      for (int64_t j = 0; j < kTaskGroups; ++j) {
-        if (j < here) {
-          g[j] = wd + (first + j) * group_words;
-        } else {  // past the last group: zeros
-          zeros.resize(static_cast<size_t>(group_words), 0);
-          g[j] = zeros.data();
-        }
-      }
-      const int64_t end = passes.end(pass, m);
-      for (int64_t m0 = passes.begin(pass); m0 < end; m0 += kMaxTokens) {
-        const int64_t rows = std::min<int64_t>(kMaxTokens, end - m0);
-        kDotTokens[rows](xw, pairs, g, here, bd, yd, n, first * kGroupRows, m0);
-      }
+  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {
+    const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
+    const int64_t here = std::min(kTaskGroups, groups - first);
+    const uint32_t* g[kTaskGroups];
+    for (int64_t j = 0; j < kTaskGroups; ++j)
+      g[j] = j < here ? wd + (first + j) * group_words : zeros.data();
+    const int64_t end = passes.end(pass, m);
+    for (int64_t m0 = passes.begin(pass); m0 < end; m0 += kMaxTokens) {
+      const int64_t rows = std::min<int64_t>(kMaxTokens, end - m0);
+      kDotTokens[rows](xw, pairs, g, here, bd, yd, n, first * kGroupRows, m0);
     }
   });
 #endif

@@ -30,6 +30,7 @@
 //   both (a matmul fused from Q4_K and Q6_K parts, kKMixed): Q6_K's record (Q4_K rows: q and
 //               d * sc twice), then m[8] float32 (Q6_K rows: 0)  = 352 bytes
 
+#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "gguf_blocks.h"
@@ -226,14 +227,12 @@ void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, const T* 
   constexpr int64_t per = kTaskTiles<V>;
   const int64_t tasks = (tiles + per - 1) / per;
   const TokenPasses passes(m, kF32Pass);
-  at::parallel_for(0, passes.count * tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pass = task / tasks, first = (task % tasks) * per;
-      const int64_t here = std::min(per, tiles - first);
-      const T* g[per];
-      for (int64_t j = 0; j < per; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
-      f(g, first, here, passes.begin(pass), passes.end(pass, m));
-    }
+  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {
+    const int64_t pass = task / tasks, first = (task % tasks) * per;
+    const int64_t here = std::min(per, tiles - first);
+    const T* g[per];
+    for (int64_t j = 0; j < per; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
+    f(g, first, here, passes.begin(pass), passes.end(pass, m));
   });
 }
 
