@@ -121,7 +121,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
   const TokenPasses passes(m, kTokenPass);
   const int64_t group_words = pairs * kGroupRows;
-  // past the last group: zeros
+  // What a task's group pointers past the last group point at.
   const std::vector<uint32_t> zeros(static_cast<size_t>(groups % kTaskGroups ? group_words : 0));
   // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
   parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {

@@ -45,6 +45,11 @@ void parallel_tasks(int64_t n, F&& f) {
   });
 }
 
+// A share's tasks left, packed in one word so that its owner and a thief claim from it with
+// one compare-and-swap: [first, end) as first | end << 32.
+inline uint64_t first_of(uint64_t range) { return range & 0xffffffffu; }
+inline uint64_t end_of(uint64_t range) { return range >> 32; }
+
 // f(task, next) over [0, n) (n < 2^32), each task once: `next` is the task the thread
 // expects to run after this one (-1 if none), for fetching ahead.
 template <typename F>
@@ -55,7 +60,7 @@ void parallel_shares(int64_t n, F&& f) {
     return;
   }
   struct alignas(64) Share {
-    std::atomic<uint64_t> range;  // first task left | end << 32
+    std::atomic<uint64_t> range;
   };
   std::vector<Share> shares(static_cast<size_t>(threads));
   for (int64_t s = 0; s < threads; ++s)
@@ -65,29 +70,29 @@ void parallel_shares(int64_t n, F&& f) {
     for (int64_t s = s0; s < s1; ++s) {  // its own share, from the front
       std::atomic<uint64_t>& mine = shares[s].range;
       uint64_t r = mine.load(std::memory_order_relaxed);
-      while ((r & 0xffffffffu) < (r >> 32)) {
+      while (first_of(r) < end_of(r)) {
         if (!mine.compare_exchange_weak(r, r + 1, std::memory_order_relaxed)) continue;
-        const int64_t task = static_cast<int64_t>(r & 0xffffffffu);
-        f(task, task + 1 < static_cast<int64_t>(r >> 32) ? task + 1 : -1);
+        const auto task = static_cast<int64_t>(first_of(r));
+        f(task, task + 1 < static_cast<int64_t>(end_of(r)) ? task + 1 : -1);
         r = mine.load(std::memory_order_relaxed);
       }
     }
     for (;;) {  // then others', from the back of the one with most left
       Share* most = nullptr;
-      uint64_t left = 0;
+      uint64_t seen = 0;  // its range when looked at
       for (Share& other : shares) {
         const uint64_t r = other.range.load(std::memory_order_relaxed);
-        const uint64_t lo = r & 0xffffffffu, hi = r >> 32;
-        if (hi > lo && hi - lo > left) left = hi - lo, most = &other;
+        if (first_of(r) < end_of(r) &&
+            (!most || end_of(r) - first_of(r) > end_of(seen) - first_of(seen)))
+          most = &other, seen = r;
       }
       if (!most) return;
-      uint64_t r = most->range.load(std::memory_order_relaxed);
-      const uint64_t lo = r & 0xffffffffu, hi = r >> 32;
-      if (hi <= lo || !most->range.compare_exchange_weak(
-                          r, lo | (hi - 1) << 32, std::memory_order_relaxed))
-        continue;
-      const int64_t task = static_cast<int64_t>(hi) - 1;
-      f(task, task - 1 >= static_cast<int64_t>(lo) ? task - 1 : -1);
+      const uint64_t first = first_of(seen), end = end_of(seen);
+      if (!most->range.compare_exchange_weak(seen, first | (end - 1) << 32,
+                                             std::memory_order_relaxed))
+        continue;  // claimed meanwhile: look again
+      const auto task = static_cast<int64_t>(end) - 1;
+      f(task, task - 1 >= static_cast<int64_t>(first) ? task - 1 : -1);
     }
   });
 }
