@@ -23,7 +23,6 @@
 //   Q4_K, Q6_K, both (Q4_K_M files' types, repacked per 32 with float32 scales; Q6_K's per
 //   16 inputs: two block sums of 8 pairs): 384, 640, 704 bytes (at scale_offset below)
 
-#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "dot_tiles.h"
@@ -260,23 +259,18 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = bf16_record_bytes(Type);
-  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
-  const TokenPasses passes(m, kPass);
   std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
-  // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
-  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {
-    static thread_local std::vector<float> acc;  // kept between calls: no fresh pages
-    const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
-    const int64_t here = std::min(kTaskGroups, groups - first);
-    Records<Type> r{{}, record, nibble_levels<Type>()};
-    for (int64_t j = 0; j < kTaskGroups; ++j)
-      r.first[j] = j < here ? w + (first + j) * p.blocks * record : zeros.data();
-    const int64_t m0 = passes.begin(pass), m1 = passes.end(pass, m);
-    if (m1 - m0 <= kStreamed)
-      tokens<Type>(p, r, here, first * kGroupRows, m0, m1);
-    else
-      blocks_outer<Type>(p, r, here, first * kGroupRows, m0, m1, acc);
-  });
+  for_each_group_task<uint8_t, kTaskGroups>(
+      w, p.blocks * record, groups, kTaskGroups, TokenPasses(m, kPass), m, zeros.data(),
+      [&](const GroupTask<uint8_t, kTaskGroups>& t, int64_t) {
+        static thread_local std::vector<float> acc;  // kept between calls: no fresh pages
+        Records<Type> r{{}, record, nibble_levels<Type>()};
+        std::copy(t.group, t.group + kTaskGroups, r.first);
+        if (t.m1 - t.m0 <= kStreamed)
+          tokens<Type>(p, r, t.here, t.first * kGroupRows, t.m0, t.m1);
+        else
+          blocks_outer<Type>(p, r, t.here, t.first * kGroupRows, t.m0, t.m1, acc);
+      });
 }
 
 // Each token's sum of each block of 32 inputs, in one fixed order: [m, blocks].

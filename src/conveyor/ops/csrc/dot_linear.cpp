@@ -13,7 +13,6 @@
 // The pair tiles come packed once at load (pack_dot_weight) from bf16 weights. GGUF blocks
 // (pack_dot_blocks) go to dot_blocks.cpp, which reads them in the same pair order.
 
-#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "dot_tiles.h"
@@ -118,24 +117,18 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const auto* xw = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto* wd = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
-  const int64_t tasks = (groups + kTaskGroups - 1) / kTaskGroups;
   const TokenPasses passes(m, kTokenPass);
   const int64_t group_words = pairs * kGroupRows;
   // What a task's group pointers past the last group point at.
   const std::vector<uint32_t> zeros(static_cast<size_t>(groups % kTaskGroups ? group_words : 0));
-  // Tasks: (token pass, 64 outputs), pass-major, so a thread's run of tasks shares x's rows.
-  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {
-    const int64_t pass = task / tasks, first = (task % tasks) * kTaskGroups;
-    const int64_t here = std::min(kTaskGroups, groups - first);
-    const uint32_t* g[kTaskGroups];
-    for (int64_t j = 0; j < kTaskGroups; ++j)
-      g[j] = j < here ? wd + (first + j) * group_words : zeros.data();
-    const int64_t end = passes.end(pass, m);
-    for (int64_t m0 = passes.begin(pass); m0 < end; m0 += kMaxTokens) {
-      const int64_t rows = std::min<int64_t>(kMaxTokens, end - m0);
-      kDotTokens[rows](xw, pairs, g, here, bd, yd, n, first * kGroupRows, m0);
-    }
-  });
+  for_each_group_task<uint32_t, kTaskGroups>(
+      wd, group_words, groups, kTaskGroups, passes, m, zeros.data(),
+      [&](const GroupTask<uint32_t, kTaskGroups>& t, int64_t) {
+        for (int64_t m0 = t.m0; m0 < t.m1; m0 += kMaxTokens) {
+          const int64_t rows = std::min<int64_t>(kMaxTokens, t.m1 - m0);
+          kDotTokens[rows](xw, pairs, t.group, t.here, bd, yd, n, t.first * kGroupRows, m0);
+        }
+      });
 #endif
   return y;
 }

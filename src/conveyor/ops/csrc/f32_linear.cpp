@@ -30,7 +30,6 @@
 //   both (a matmul fused from Q4_K and Q6_K parts, kKMixed): Q6_K's record (Q4_K rows: q and
 //               d * sc twice), then m[8] float32 (Q6_K rows: 0)  = 352 bytes
 
-#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "gguf_blocks.h"
@@ -218,22 +217,17 @@ void dense_tokens(const float* x, int64_t k, const float* const* g, int64_t here
   store_sums<V, MR>(acc, here, bias, y, n, n0, m0);
 }
 
-// Calls f(tiles, first, here, m0, m1) for every task: token rows [m0, m1) (a pass of at most
-// kF32Pass, all passes alike: TokenPasses) against lane tiles [first, first + here) (at most
-// kTaskTiles, each `tile` elements from w; absent ones point at `zeros`). Tasks run
-// pass-major, so a thread's run of tasks shares x's rows.
+// Calls f(tiles, first, here, m0, m1) for every task (for_each_group_task): token rows [m0,
+// m1) (a pass of at most kF32Pass, all passes alike: TokenPasses) against lane tiles [first,
+// first + here) (at most kTaskTiles, each `tile` elements from w; absent ones point at
+// `zeros`).
 template <class V, class T, class F>
 void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, const T* zeros, F&& f) {
   constexpr int64_t per = kTaskTiles<V>;
-  const int64_t tasks = (tiles + per - 1) / per;
-  const TokenPasses passes(m, kF32Pass);
-  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t) {
-    const int64_t pass = task / tasks, first = (task % tasks) * per;
-    const int64_t here = std::min(per, tiles - first);
-    const T* g[per];
-    for (int64_t j = 0; j < per; ++j) g[j] = j < here ? w + (first + j) * tile : zeros;
-    f(g, first, here, passes.begin(pass), passes.end(pass, m));
-  });
+  for_each_group_task<T, per>(w, tile, tiles, per, TokenPasses(m, kF32Pass), m, zeros,
+                              [&](const GroupTask<T, per>& t, int64_t) {
+                                f(t.group, t.first, t.here, t.m0, t.m1);
+                              });
 }
 
 template <class V>

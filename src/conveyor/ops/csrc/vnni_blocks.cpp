@@ -34,7 +34,6 @@
 //   Q8_0:       q[8 quads][16 rows][4] bytes (value + 128), d[16] fp16   = 544 bytes
 //   Q4_K, Q6_K, both: 384, 512, 576 bytes (at their constants below)
 
-#include "parallel_tasks.h"
 #include "quant_linear.h"
 
 #include "dot_tiles.h"
@@ -394,22 +393,19 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   // of two threads idle an eighth of the time).
   const bool streamed = passes.len <= kVnniStreamed;
   const int64_t per_task = streamed ? kTaskGroups : 1;
-  const int64_t tasks = (groups + per_task - 1) / per_task;
   std::vector<uint8_t> zeros(static_cast<size_t>(groups % per_task ? record * p.blocks : 0), 0);
-  parallel_shares(passes.count * tasks, [&](int64_t task, int64_t next) {
-    // Kept between calls: a fresh buffer this size would be new pages, faulted in every call.
-    static thread_local std::vector<RecordOf<Type>> records;
-    const int64_t pass = task / tasks, first = (task % tasks) * per_task;
-    VnniTask t{{}, record, std::min(per_task, groups - first), first * kGroupRows,
-               passes.begin(pass), passes.end(pass, m), {}};
-    for (int64_t j = 0; j < kTaskGroups; ++j)
-      t.first[j] = j < t.groups ? w + (first + j) * p.blocks * record : zeros.data();
-    if (next >= 0) {  // the next task's records into L2, spread over this one's blocks
-      const int64_t ahead = (next % tasks) * per_task;
-      t.ahead = {w + ahead * p.blocks * record, std::min(per_task, groups - ahead) * record};
-    }
-    vnni_task<Type>(p, t, streamed, records);
-  });
+  for_each_group_task<uint8_t, kTaskGroups>(
+      w, p.blocks * record, groups, per_task, passes, m, zeros.data(),
+      [&](const GroupTask<uint8_t, kTaskGroups>& task, int64_t next) {
+        // Kept between calls: a fresh buffer this size would be new pages, faulted in every
+        // call.
+        static thread_local std::vector<RecordOf<Type>> records;
+        VnniTask t{{}, record, task.here, task.first * kGroupRows, task.m0, task.m1, {}};
+        std::copy(task.group, task.group + kTaskGroups, t.first);
+        if (next >= 0)  // the next task's records into L2, spread over this one's blocks
+          t.ahead = {w + next * p.blocks * record, std::min(per_task, groups - next) * record};
+        vnni_task<Type>(p, t, streamed, records);
+      });
 }
 
 // The tokens' inputs quantized per block of 32 (see the top of the file), in VnniCall's
