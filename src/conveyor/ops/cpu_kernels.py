@@ -134,7 +134,8 @@ def f32_kernels_available() -> bool:
 
 def f32_vector_lanes(lanes: int = 0) -> int:
     """Outputs per register of the float32 kernels (16 with AVX-512, else 8: the same bits
-    either way); ``lanes`` > 0 sets it first (8, or this CPU's widest: for comparisons)."""
+    either way), as it was before the call; ``lanes`` > 0 sets it (8, or this CPU's widest:
+    for comparisons)."""
     return int(torch.ops.conveyor.f32_vector_lanes(lanes))
 
 

@@ -2,10 +2,10 @@
 //
 // Every op reproduces the rounding of the torch reference (ops/reference.py): values are
 // computed in float32 and rounded to the tensor's dtype exactly where the reference rounds,
-// so greedy outputs match it. Work is split over rows (or requests x KV heads) with
-// at::parallel_for, which uses torch's own thread pool.
+// so greedy outputs match it. Work is split over rows with at::parallel_for (torch's own
+// thread pool), decode attention's requests x KV heads with parallel_tasks (parallel_tasks.h).
 //
-// Registered as torch.ops.conveyor.*; built on first use by conveyor/ops/__init__.py.
+// Registered as torch.ops.conveyor.*; built on first use by conveyor/ops/cpu_kernels.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,8 +33,8 @@
 #include <immintrin.h>
 #endif
 
-// CPUs with AVX2 but no AVX-512 (AMD Zen 2 and 3) run float32 decode attention with 8-lane
-// vectors; everything else there runs the scalar loops.
+// CPUs with AVX2 but no AVX-512 (AMD Zen 2 and 3) run float32 decode attention (and
+// silu_mul) with 8-lane vectors; everything else there runs the scalar loops.
 #if defined(CONVEYOR_AVX2) && !defined(__AVX512F__)
 #define CONVEYOR_AVX2_ONLY 1
 #endif
@@ -71,9 +71,6 @@ inline __m512 load16(const BFloat16* p) {
 }
 inline __m512 load16(const Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // float -> bf16 bits in the high half of each lane, rounded to nearest even (NaN -> 0x7FC0,

@@ -8,13 +8,13 @@
 // builds the weights: per block of 32 inputs it takes the block's quantized values as bf16
 // integers (exact: |q| <= 127) and factors the scales out,
 //   y[m, n] = sum over blocks b of ( d[n, b] * sum_k q[n, k] x[m, k] + m[n, b] * sum_k x[m, k] )
-// (the m term for Q4_1 only; Q4_0's values are q - 8). One vdpbf16ps adds a pair of inputs'
-// products to 16 rows' block sums; after the block's 16 pairs, one fused multiply-add scales
-// the block sum into the output's float32 sum (and one more adds m times the block's input
-// sum). That is the exact GGUF weights (not rounded to bf16), from 4 instructions per 32 Q4
-// weights, in the same operations and order for an output whatever the batch, tile or
-// thread: the sums are those of the blocks' float32 products, not of the bf16 weights', so
-// they differ from the bf16 weights' in the last bits (closer to float32).
+// (the m term for Q4_1 and Q4_K only; Q4_0's values are q - 8). One vdpbf16ps adds a pair
+// of inputs' products to 16 rows' block sums; after the block's 16 pairs, one fused
+// multiply-add scales the block sum into the output's float32 sum (and one more adds m times
+// the block's input sum). That is the exact GGUF weights (not rounded to bf16), from 4
+// instructions per 32 Q4 weights, in the same operations and order for an output whatever
+// the batch, tile or thread: the sums are those of the blocks' float32 products, not of the
+// bf16 weights', so they differ from the bf16 weights' in the last bits (closer to float32).
 //
 // Records (pack_dot_blocks), per 16 output rows and 32-input block, pair-major:
 //   Q4_0, Q4_1: q[16 pairs][16 rows] bytes (input 2c in the low nibble, 2c + 1 in the high),
@@ -62,7 +62,7 @@ int64_t bf16_record_bytes(int64_t type) {
 int64_t bf16_type_of_record(int64_t bytes) {
   for (int64_t type : {kQ4_K, kQ6_K, kKMixed})
     if (bf16_record_bytes(type) == bytes) return type;
-  return type_of_record(bytes, "dot_linear");
+  return type_of_record(bytes, "dot_linear", "pack_dot_blocks");
 }
 
 #ifdef CONVEYOR_AVX512BF16
@@ -305,7 +305,8 @@ at::Tensor pack_bf16_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
       put_k_scales(rec, scale_offset(kind), kGroupRows, i, kind, k);
     });
   }
-  return repack_blocks(raw, type, "pack_dot_blocks", kGroupRows, block_format(type).record_bytes,
+  return repack_blocks(raw, type, "pack_dot_blocks", kGroupRows,
+                       block_format(type, "pack_dot_blocks").record_bytes,
                        scale_offset(type), at::kByte,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
     for (int64_t c = 0; c < 16; ++c) {  // pair c of row i

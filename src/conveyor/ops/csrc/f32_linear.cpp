@@ -15,10 +15,10 @@
 // are exact as floats, so the block's sum is taken over them and the scales factored out, as
 // the AVX512-BF16 kernel does (dot_blocks.cpp),
 //   y[m, n] = sum over blocks b of ( d[n, b] * sum_k q[n, k] x[m, k] + m[n, b] * sum_k x[m, k] )
-// (the m term for Q4_1 and Q4_K only; Q4_0's values are q - 8; Q6_K's q - 32, with one d per
-// half block: two sums of 16): the exact GGUF weights. A few tokens convert each block's values
-// in registers; more tokens convert a block once into L1 and sweep it: both run `add_block`,
-// the same operations in the same order.
+// (the m term for Q4_1 and Q4_K, also in K-mixed records, only; Q4_0's values are q - 8;
+// Q6_K's q - 32, with one d per half block: two sums of 16): the exact GGUF weights. A few
+// tokens convert each block's values in registers; more tokens convert a block once into L1
+// and sweep it: both run `add_block`, the same operations in the same order.
 //
 // Records, per 8 output rows and 32-input block, input-major:
 //   Q4_0, Q4_1: q[16 pairs][8 rows] bytes (input 2c in the low nibble, 2c + 1 in the high),

@@ -37,19 +37,19 @@ struct BlockFormat {
   int64_t record_bytes;  // 16 rows x one block, packed
 };
 
-inline BlockFormat block_format(int64_t type) {
+inline BlockFormat block_format(int64_t type, const char* op = "pack_block_weights") {
   switch (type) {
     case kQ4_0: return {18, 288};
     case kQ4_1: return {20, 320};
     case kQ8_0: return {34, 544};
-    default: TORCH_CHECK(false, "pack_block_weights: GGML type ", type,
+    default: TORCH_CHECK(false, op, ": GGML type ", type,
                          " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
   }
 }
 
 // Checks raw GGUF blocks, uint8 [rows (a multiple of 16), blocks, block bytes], for `op`.
 inline BlockFormat check_raw_blocks(const at::Tensor& raw, int64_t type, const char* op) {
-  const BlockFormat f = block_format(type);
+  const BlockFormat f = block_format(type, op);
   TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.size(2) == f.block_bytes,
               op, ": expected uint8 [rows, blocks, ", f.block_bytes, "], got ", raw.sizes(), " ",
               raw.scalar_type());
@@ -209,11 +209,13 @@ inline uint8_t gguf_nibble(const uint8_t* qs, int64_t j) {
   return static_cast<uint8_t>(j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4);
 }
 
-// The type of a packed weight [N/16, K/32, record bytes], from its record size.
-inline int64_t type_of_record(int64_t record_bytes, const char* op) {
+// The type of a packed weight [N/16, K/32, record bytes], from its record size (`packer`: the
+// op that makes such weights, for the error).
+inline int64_t type_of_record(int64_t record_bytes, const char* op,
+                              const char* packer = "pack_block_weights") {
   for (int64_t type : {kQ4_0, kQ4_1, kQ8_0})
     if (block_format(type).record_bytes == record_bytes) return type;
-  TORCH_CHECK(false, op, ": w is not from pack_block_weights (", record_bytes, "-byte records)");
+  TORCH_CHECK(false, op, ": w is not from ", packer, " (", record_bytes, "-byte records)");
 }
 
 #ifdef CONVEYOR_AVX512BF16

@@ -40,41 +40,21 @@
 namespace conveyor {
 namespace {
 
-// raw: uint8 [N, K/32, block bytes], GGUF blocks in row order -> uint8 [N/16, K/32, record].
+// raw: uint8 [N, K/32, block bytes], GGUF blocks in row order -> uint8 [N/16, K/32, record]:
+// per 16 rows, Q8_0's 32 bytes a row, or weight j of rows 2p and 2p + 1 in the low and high
+// nibble of byte j of row pair p; then the rows' d (and m), as repack_blocks places them.
 at::Tensor pack_block_weights(const at::Tensor& raw, int64_t type) {
-  const BlockFormat f = check_raw_blocks(raw, type, "pack_block_weights");
-  const int64_t n = raw.size(0), kb = raw.size(1);
-  const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::empty({n / 16, kb, f.record_bytes}, raw.options());
-  const uint8_t* r = src.data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t q_bytes = type == kQ8_0 ? 32 : 16;  // per row and block
-  const int64_t q_offset = type == kQ4_1 ? 4 : 2;   // after d (and m) in a GGUF block
-  at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < kb; ++b) {
-        uint8_t* rec = o + (t * kb + b) * f.record_bytes;
-        uint8_t* scales = rec + 16 * q_bytes;
-        for (int64_t i = 0; i < 16; ++i) {
-          const uint8_t* blk = r + ((t * 16 + i) * kb + b) * f.block_bytes;
-          std::memcpy(scales + i * 2, blk, 2);                               // d
-          if (type == kQ4_1) std::memcpy(scales + 32 + i * 2, blk + 2, 2);  // m
-          if (type == kQ8_0) {
-            std::memcpy(rec + i * 32, blk + 2, 32);
-            continue;
-          }
-          // GGUF: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one.
-          // Here: weight j of rows 2p and 2p + 1 in the low and high nibble of byte j.
-          const uint8_t* qs = blk + q_offset;
-          uint8_t* pair = rec + (i / 2) * 32;
-          for (int64_t j = 0; j < 32; ++j) {
-            const uint8_t q = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
-            pair[j] = static_cast<uint8_t>(i % 2 == 0 ? q : pair[j] | (q << 4));
-          }
-        }
-      }
+  return repack_blocks(raw, type, "pack_block_weights", 16, block_format(type).record_bytes,
+                       16 * q_bytes, at::kByte, [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
+    if (type == kQ8_0) {
+      std::memcpy(rec + i * 32, qs, 32);
+      return;
+    }
+    uint8_t* pair = rec + (i / 2) * 32;  // zeros before row 2p's nibbles
+    for (int64_t j = 0; j < 32; ++j)
+      pair[j] = static_cast<uint8_t>(pair[j] | gguf_nibble(qs, j) << (i % 2 ? 4 : 0));
   });
-  return out;
 }
 
 #ifdef CONVEYOR_AMX

@@ -63,7 +63,8 @@ at::Tensor pack_f32_blocks(const at::Tensor& raw, int64_t type, bool k_mixed);
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias);
 // Outputs per register the float32 kernels use (16 with AVX-512, else 8; the same bits
-// either way): the current value; lanes > 0 sets it first (8, or this CPU's widest).
+// either way): returns the value before the call; lanes > 0 sets it (8, or this CPU's
+// widest).
 int64_t f32_vector_lanes(int64_t lanes);
 
 // dot_linear's bias [n] as contiguous float32 (undefined for none).

@@ -1,7 +1,7 @@
 // Matmuls on GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K repacked per 32 as Q4_1 with float32
 // scales, Q6_K per 32 with a scale per half; both, for a matmul fused from the two, in one
 // record kind: see kQ4KRecord, kQ6KRecord, kKMixedRecord) with int8 activations, for CPUs
-// with AVX512-VNNI and no AMX (AMD Zen 4 and 5, Intel Ice Lake to Cooper Lake): llama.cpp's
+// with AVX512-VNNI and AVX512-BF16 but no AMX (AMD Zen 4 and 5, Intel Cooper Lake): llama.cpp's
 // way on such CPUs, at every batch size (dot_linear.cpp dispatches here; its notes on batch
 // invariance hold).
 //
@@ -10,10 +10,11 @@
 // same rate. So each token's inputs are quantized per block of 32 to int8 with one float32
 // scale (dx = max |x| / 127, qx = round(x * (127 / max |x|))). A weight is d * (s - o) + m',
 // with s its stored byte (Q4_0, Q4_1: the 4-bit q; Q8_0: q + 128), o = 8 (Q8_0: 128), and
-// m' = 0 but for Q4_1, whose d * q + m is d * (q - 8) + (m + 8d). A block's sum is then
+// m' = 0 but for Q4_1 (and Q4_K, repacked as Q4_1), whose d * q + m is d * (q - 8) +
+// (m + 8d). A block's sum is then
 //   d * dx * sum_k (s_k - o) qx_k  +  m' * sum_k x_k
 // The first sum is an exact int32: vpdpbusd's products of the stored bytes with qx, started
-// at -o * sum_k qx_k. The second (Q4_1 only) takes the block's float32 sum of x (not
+// at -o * sum_k qx_k. The second (Q4_1 and Q4_K only) takes the block's float32 sum of x (not
 // quantized, in one fixed order), as the bf16 kernel does. Counting the 4-bit values from
 // their middle keeps Q4_1's two terms from being large and cancelling (its weights' m is
 // about -8d): the inputs' rounding then errs on d * (q - 8), the size of the weights.
@@ -90,7 +91,7 @@ inline int64_t vnni_record_bytes(int64_t type) {
 inline int64_t vnni_type_of_record(int64_t bytes) {
   for (int64_t type : {kQ4_K, kQ6_K, kKMixed})
     if (vnni_record_bytes(type) == bytes) return type;
-  return type_of_record(bytes, "dot_linear");
+  return type_of_record(bytes, "dot_linear", "pack_vnni_blocks");
 }
 // Whether a type's records hold 6-bit values: the types with a scale per half block.
 constexpr bool six_bit(int64_t type) { return half_scales(type); }
@@ -248,7 +249,8 @@ inline void add_six_bit_record(const VnniCall& p, const SixBitRecord& r, int64_t
 
 // Tokens [m0, m0 + MR) take block b of one record (16 outputs) into their float sums: each
 // token's exact int32 dot products (chains of 8 vpdpbusd, the tokens' side by side: one
-// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx for Q4_1).
+// vpdpbusd's latency is 4 cycles), then sum += (d * dx) * dot (+ (m + 8d) * sx where the
+// type has an m: has_min).
 // Every path below runs exactly this for every output and block, in block order.
 template <int64_t Type, int MR>
 inline void add_record(const VnniCall& p, const RecordOf<Type>& r, int64_t b, int64_t m0,
@@ -508,7 +510,8 @@ at::Tensor pack_vnni_k_quant(const at::Tensor& raw, int64_t type, bool mixed) {
 at::Tensor pack_vnni_blocks(const at::Tensor& raw, int64_t type, bool k_mixed) {
   check_k_mixed(k_mixed, type, "pack_vnni_blocks");
   if (type == kQ4_K || type == kQ6_K) return pack_vnni_k_quant(raw, type, k_mixed);
-  return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows, block_format(type).record_bytes,
+  return repack_blocks(raw, type, "pack_vnni_blocks", kGroupRows,
+                       block_format(type, "pack_vnni_blocks").record_bytes,
                        vnni_scale_offset(type), at::kChar,
                        [type](uint8_t* rec, int64_t i, const uint8_t* qs) {
     if (type == kQ8_0) {
@@ -531,8 +534,8 @@ at::Tensor vnni_blocks_linear(const at::Tensor& x, const at::Tensor& w, const fl
 #ifdef CONVEYOR_VNNI
   const at::Tensor xc = x.contiguous();
   const auto* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  // The offset (8 but for Q8_0 and Q6_K), whether x's sums are needed and whether the sum
-  // starts are per half depend on the type alone.
+  // The offset (vnni_offset: 8, Q8_0's 128, the 6-bit values' 32), whether x's sums are
+  // needed and whether the sum starts are per half depend on the type alone.
   const int64_t k = blocks * 32;
   const int32_t* t = type == kQ8_0     ? quantize_tokens<kQ8_0>(xd, m, k)
                      : type == kQ6_K   ? quantize_tokens<kQ6_K>(xd, m, k)
