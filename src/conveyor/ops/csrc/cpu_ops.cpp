@@ -1569,7 +1569,8 @@ TORCH_LIBRARY(conveyor, m) {
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("linear(Tensor x, Tensor packed, Tensor? blocks, Tensor? bias) -> Tensor", &linear);
-  // For every backend: its weights are oneDNN-packed (MkldnnCPU) or pair tiles (dot_linear).
+  // For every backend: its weights are oneDNN-packed (MkldnnCPU), pair tiles (dot_linear) or
+  // lane tiles (f32_linear), with GGUF block records beside them where the backend reads them.
   m.def("decode_layers(Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor(b!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor[] input_norms, "
         "Tensor[] post_norms, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, Tensor[] gate_up_w, "

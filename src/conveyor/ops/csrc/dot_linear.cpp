@@ -11,7 +11,8 @@
 // operations.
 //
 // The pair tiles come packed once at load (pack_dot_weight) from bf16 weights. GGUF blocks
-// (pack_dot_blocks) go to dot_blocks.cpp, which reads them in the same pair order.
+// (pack_dot_blocks) go to dot_blocks.cpp, which reads them in the same pair order; their int8
+// records (pack_vnni_blocks) to vnni_blocks.cpp, float32 x to f32_linear.cpp.
 
 #include "quant_linear.h"
 

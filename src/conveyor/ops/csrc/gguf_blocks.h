@@ -1,8 +1,8 @@
 // GGUF block formats (Q4_0, Q4_1, Q8_0; Q4_K and Q6_K decoded per 32) as the matmul kernels
 // keep them, their repacking (repack_blocks, repack_k_blocks: the bf16, float32 and int8-input
 // records) and their dequantization to bf16 in registers: shared by the AMX kernel
-// (quant_linear.cpp), the AVX512-BF16 dot kernels (dot_linear.cpp, dot_blocks.cpp,
-// vnni_blocks.cpp) and the float32 ones (f32_linear.cpp).
+// (quant_linear.cpp), the AVX512-BF16 dot kernels on blocks (dot_blocks.cpp, vnni_blocks.cpp)
+// and the float32 ones (f32_linear.cpp).
 //
 // Layout (pack_block_weights): for each 16 output rows and each 32-input block, one record:
 //   Q4_0: q[8 row pairs][32 bytes] (nibbles of two rows), d[16] fp16      = 288 bytes

@@ -1,5 +1,6 @@
-// Matmuls on GGUF block-quantized weights (quant_linear.cpp: AMX; dot_linear.cpp: AVX512-BF16),
-// for cpu_ops.cpp's decode loop.
+// The matmul kernels' entry points, for cpu_ops.cpp: on GGUF blocks with AMX (quant_linear.cpp);
+// with AVX512-BF16 on pair tiles (dot_linear.cpp) and GGUF blocks (dot_blocks.cpp; with
+// AVX512-VNNI, int8 inputs: vnni_blocks.cpp); in float32 (f32_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
