@@ -1331,9 +1331,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,
 // computes the rows in small calls and keeps oneDNN's one call for that M only if it gave
 // every row the same bits; else that M always runs as two halves (each one a call of this
 // function). The verdict is per shape, so the model's 30 layers share it, and a first call
-// costs one layer about a small-call pass more (1-3 ms at 150-800 rows on a 2-core Xeon),
-// besides oneDNN's own first call at a new shape (~1 ms a weight shape: it builds a
-// primitive). Up to kQuantizedMaxRows rows, weights with GGUF blocks pay neither.
+// costs one layer about a small-call pass more (all the model's matmuls: 1.5-10 ms more at
+// 150-777 rows on a 2-core AMX Xeon), besides oneDNN's own first call at a new row count (4-6
+// ms: it builds a primitive; docs/benchmarks.md). Up to kQuantizedMaxRows rows, weights with GGUF blocks pay neither.
 using RowsKey = std::tuple<int64_t, int64_t, bool, int, int64_t>;  // N, K, blocks, threads, M
 std::mutex one_call_mutex;
 std::map<RowsKey, bool>& one_call_verdicts() {

@@ -30,12 +30,8 @@
 #include "simd_math.h"
 #include "token_passes.h"
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace conveyor {

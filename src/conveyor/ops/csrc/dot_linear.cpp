@@ -20,7 +20,6 @@
 #include "simd_math.h"
 #include "token_passes.h"
 
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>

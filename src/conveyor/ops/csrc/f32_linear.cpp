@@ -36,14 +36,10 @@
 #include "simd_math.h"
 #include "token_passes.h"
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace conveyor {

@@ -43,13 +43,10 @@
 #include "token_passes.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
