@@ -55,7 +55,7 @@ def cpu_flags() -> frozenset[str] | None:
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has bf16 matrix units: read from the CPU flags where the OS lists
-    them (deterministic), measured otherwise. The benchmark prints the measured ratio."""
+    them (deterministic), measured otherwise (the measured ratio is logged at debug level)."""
     flags = cpu_flags()
     if flags is not None:
         return any(flag in flags for flag in _BF16_CPU_FLAGS)

@@ -218,7 +218,8 @@ def _gguf_part(tensor: Any, part: Slice | None) -> np.ndarray | None:
 
 
 # Block formats the quantized matmuls read in place: GGML type -> bytes per block of 32
-# weights (Q4_K, Q6_K: of 256, read only with int8 inputs: model.layers.weights_per_block).
+# weights (Q4_K, Q6_K: of 256, read only by the kernels for CPUs without AMX:
+# model.layers.weights_per_block, K_QUANTS).
 BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
                GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_K: 144,
                GGMLQuantizationType.Q6_K: 210}

@@ -248,8 +248,9 @@ class CausalLM(nn.Module):
                    for m in [*self._layer_linears(), head])
 
     def pack_linears(self) -> None:
-        """Replace every matmul weight (the LM head included, tied or not) by a oneDNN
-        pre-packed copy; call once, after the weights are loaded."""
+        """Replace every matmul weight (the LM head included, tied or not) by a copy laid
+        out for the CPU's matmul kernel (``PackedLinear``: oneDNN's, pair tiles or lane
+        tiles); call once, after the weights are loaded."""
         for layer in self.layers:
             for owner, name, _ in LAYER_MATMULS:
                 module = getattr(layer, owner)

@@ -1,7 +1,8 @@
 """Find a checkpoint, read its config and tokenizer, and stream its weights under HF names.
 
 Two formats: a GGUF file (llama.cpp; quantized weights are dequantized to float32, and their
-Q4_0/Q4_1/Q8_0 blocks are also handed over as they are, for the decode matmuls) and a
+Q4_0/Q4_1/Q8_0 (and Q4_K/Q6_K) blocks are also handed over as they are, for the matmuls that
+read them in place) and a
 Hugging Face folder (config.json + *.safetensors + tokenizer.json). "dummy" reads only the
 config (and tokenizer): the caller makes random weights.
 """

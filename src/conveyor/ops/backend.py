@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 class OpsBackend(Protocol):
     """The ops the model, paged attention and the sampler call (signatures and in-place
-    behaviour as in ``reference.py``), and the device's capabilities."""
+    behaviour as in ``reference.py``, the prefill attention's as in
+    ``reference_prefill_attention`` here), and the device's capabilities."""
 
     @property
     def name(self) -> str:

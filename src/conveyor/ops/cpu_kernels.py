@@ -94,8 +94,9 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether the AMX kernels (``quantized_linear``, ``prefill_attention``) can run: the C++
-    kernels are built, with AMX-BF16, and the OS grants the tile registers."""
+    """Whether the AMX kernels (``quantized_linear``, and ``prefill_attention``'s tile
+    products) can run: the C++ kernels are built, with AMX-BF16, and the OS grants the tile
+    registers."""
     return load_cpu_kernels() and bool(torch.ops.conveyor.amx_available())
 
 

@@ -16,9 +16,10 @@ with one call. A graph replays fixed shapes on fixed memory, so:
   (``scratch_block``, one block past its blocks) and attend to it alone; their outputs are
   dropped.
 
-Only decode-only steps replay (``CudaGraphRunner.eligible``): a step with a prefill chunk
-(mixed prefill + decode, a verification of drafts) has a token count and a chunk layout no
-bucket holds, and runs eagerly. ``enforce_eager=True`` (vLLM's name) turns graphs off.
+Only decode-only steps replay (``CudaGraphRunner.eligible``): decodes, and verifications of
+drafts whose rows run as decodes (``ModelRunner._is_decode``: every cache but int8), when the
+largest bucket holds their rows. A step with a prefill chunk (mixed prefill + decode) has a
+token count and a chunk layout no bucket holds, and runs eagerly. ``enforce_eager=True`` (vLLM's name) turns graphs off.
 
 On a device other than CUDA, ``capture`` records no graph: ``run`` then runs the same padded
 forward on the same static buffers eagerly. The engine never does that (it makes a
@@ -47,7 +48,8 @@ SCRATCH_BLOCKS = 1
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The captured batch sizes: 1, 2, 4, 8, then multiples of 8, up to the first size that
-    holds ``max_num_seqs`` decodes (a step never has more)."""
+    holds ``max_num_seqs`` decodes (a step of one token a request never has more; a verify
+    step past the largest runs eagerly)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [1]

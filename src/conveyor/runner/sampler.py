@@ -15,9 +15,10 @@ the one speculation off gives. Other requests use the rejection rule of Leviatha
 Chen et al. for deterministic proposals (q(d) = 1): d is kept with probability p(d), a
 rejection draws from p without d, after k acceptances one more token comes from the last
 row; the output is distributed as the target model's. The draws are the plain sampler's own
-(``_rejection``), so a seeded request's tokens do not depend on speculation either. Logits processors that depend on the tokens so far (the
-penalties, min_tokens' ban, and any later per-request mask) belong in ``_process``, which
-sees one row state per row.
+(``_rejection``), so a seeded request's tokens do not depend on speculation either.
+
+Logits processors that depend on the tokens so far (the penalties, min_tokens' ban, and any
+later per-request mask) belong beside ``_apply_penalties``, which sees one row state per row.
 """
 
 from __future__ import annotations
