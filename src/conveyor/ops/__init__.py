@@ -4,8 +4,8 @@ and dtype by ``select_backend``.
 The ops: ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``, ``write_kv_``,
 ``read_kv_``, ``decode_attention``, ``write_decode_attention_``, ``prefill_attention`` and
 ``argmax`` (signatures in ``reference.py``; ``prefill_attention``'s and its tile-layout
-twin's references are ``backend.reference_prefill_attention`` and ``_tiles``), plus capability flags the callers read
-(``fused_decode``, ``quantized_matmuls``, ``prefill_attention_kernel``,
+twin's references are ``backend.reference_prefill_attention`` and ``_tiles``), plus capability
+flags the callers read (``fused_decode``, ``quantized_matmuls``, ``prefill_attention_kernel``,
 ``prefill_rows_as_decodes``, ``paged_attention_in_place``, ``kv_cache_tiles``).
 
 On CPU they are the C++ kernels (``cpu_kernels.py``, the only module that calls

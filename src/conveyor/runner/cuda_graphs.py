@@ -19,7 +19,8 @@ with one call. A graph replays fixed shapes on fixed memory, so:
 Only decode-only steps replay (``CudaGraphRunner.eligible``): decodes, and verifications of
 drafts whose rows run as decodes (``ModelRunner._is_decode``: every cache but int8), when the
 largest bucket holds their rows. A step with a prefill chunk (mixed prefill + decode) has a
-token count and a chunk layout no bucket holds, and runs eagerly. ``enforce_eager=True`` (vLLM's name) turns graphs off.
+token count and a chunk layout no bucket holds, and runs eagerly. ``enforce_eager=True``
+(vLLM's name) turns graphs off.
 
 On a device other than CUDA, ``capture`` records no graph: ``run`` then runs the same padded
 forward on the same static buffers eagerly. The engine never does that (it makes a
