@@ -431,5 +431,8 @@ def test_token_budget_defaults_depend_on_usage() -> None:
     assert server_engine_args(parser.parse_args(["serve"])).max_num_batched_tokens == 512
     explicit = parser.parse_args(["serve", "--max-num-batched-tokens", "100"])
     assert server_engine_args(explicit).max_num_batched_tokens == 100
+    # `serve --no-enable-chunked-prefill` keeps the derived budget (a 512 one refused to start)
+    unchunked = server_engine_args(parser.parse_args(["serve", "--no-enable-chunked-prefill"]))
+    assert unchunked.scheduler_config(4096).max_num_batched_tokens == 4096
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineArgs(max_num_batched_tokens=-1)

@@ -479,3 +479,11 @@ class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, Parallel
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         return self.section(SchedulerConfig).resolved(model_max_len)
+
+    def for_server(self) -> EngineArgs:
+        """These arguments with `conveyor serve`'s token budget where none is given
+        (``SERVER_MAX_NUM_BATCHED_TOKENS``). Without chunked prefill a whole prompt must fit
+        one step, so the budget stays derived from ``max_model_len``, as offline."""
+        if self.max_num_batched_tokens or not self.enable_chunked_prefill:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)

@@ -27,7 +27,7 @@ from conveyor.bench.datasets import DatasetConfig, workload_requests
 from conveyor.bench.offline import Workload, run_workload
 from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 from conveyor.bench.workloads import warm_up
-from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from conveyor.config import EngineArgs
 from conveyor.engine.llm import LLM
 
 SERVER_START_TIMEOUT_S = 300.0
@@ -92,8 +92,7 @@ def serve_subprocess(args: EngineArgs, *flags: str,
 
 def run_http_overhead(args: EngineArgs, workload: Workload) -> dict[str, Any]:
     # Both runs use the same token budget: the server's default unless one is given.
-    args = dataclasses.replace(args, max_num_batched_tokens=args.max_num_batched_tokens
-                               or SERVER_MAX_NUM_BATCHED_TOKENS)
+    args = args.for_server()
     llm = LLM.from_engine_args(args)
     warm_up(llm)
     offline = run_workload(llm, workload)

@@ -13,7 +13,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from conveyor.config import EngineArgs
 from conveyor.deploy.config import DeployConfig, check_ray_address_answers, replica_cpus
 from conveyor.deploy.frontend import Frontend
 from conveyor.deploy.replica import EngineReplica, replica_options
@@ -32,7 +32,7 @@ def build_app(engine_args: EngineArgs | None = None, server_config: ServerConfig
     `deploy_config.replicas` engine replicas, each the app of `conveyor serve`, behind one
     front door; `deploy_config.routing` picks Ray Serve's power of two choices or prefix
     affinity. `app_name` must be the name it is run under (it names its metrics hub)."""
-    engine_args = engine_args or EngineArgs(max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)
+    engine_args = engine_args or EngineArgs().for_server()
     server_config = server_config or ServerConfig()
     deploy_config = deploy_config or DeployConfig(replicas=1)
     num_replicas = deploy_config.replicas or 1

@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from conveyor.cli.engine_args import add_dataclass_flags, add_engine_args, engine_args_from
-from conveyor.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from conveyor.config import EngineArgs
 from conveyor.deploy.config import DeployConfig
 from conveyor.server.config import ServerConfig
 
@@ -64,8 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def server_engine_args(args: argparse.Namespace) -> EngineArgs:
     """The flags as EngineArgs, with the server's token budget unless one is given."""
-    return engine_args_from(args, max_num_batched_tokens=args.max_num_batched_tokens
-                            or SERVER_MAX_NUM_BATCHED_TOKENS)
+    return engine_args_from(args).for_server()
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -3,7 +3,6 @@ the requests. Torch is imported only to read a model file (its config and tokeni
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ import numpy as np
 from conveyor.bench.datasets import DatasetConfig, SampleRequest, sample_requests
 from conveyor.config import (
     INT8_KV_SCALE_BYTES,
-    SERVER_MAX_NUM_BATCHED_TOKENS,
     EngineArgs,
     ModelConfig,
     parse_memory,
@@ -147,9 +145,7 @@ def _setup(model: SimModel, args: EngineArgs, num_blocks: int, per_token: float)
         raise ValueError(f"kv_cache_memory holds no KV block of {args.block_size} tokens at "
                          f"{per_token:.0f} bytes per token (do the weights fit the device?)")
     # The budget `conveyor serve` uses when none is given: the simulation is of a server.
-    budget = args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS
-    sched = dataclasses.replace(args, max_num_batched_tokens=budget).scheduler_config(
-        model.config.max_position_embeddings)
+    sched = args.for_server().scheduler_config(model.config.max_position_embeddings)
     swap = int(args.swap_space // (per_token * args.block_size)) \
         if args.preemption == "swap" else 0
     eos = model.config.eos_token_ids
