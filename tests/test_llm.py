@@ -415,6 +415,24 @@ def test_unknown_engine_argument() -> None:
         LLM(max_num_seq=4)
 
 
+@pytest.mark.parametrize("value,want", [
+    (4096, 4096), (0.5, 1 << 29), ("2GiB", 2 << 30), ("512MB", 512_000_000), ("1e9", 10**9),
+    ("4", 4 << 30), ("2048", 2048)])
+def test_memory_sizes(value, want) -> None:
+    """An int is bytes, a float GiB; a string without a unit is GiB below 1024 (README)."""
+    from conveyor.config import parse_memory
+
+    assert parse_memory(value) == want
+
+
+@pytest.mark.parametrize("value", ["lots", True, "-1GiB"])
+def test_bad_memory_size_names_the_field(value) -> None:
+    from conveyor.config import parse_memory
+
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_memory(value)
+
+
 def test_token_budget_defaults_depend_on_usage() -> None:
     """Offline favours throughput (2048-token steps), `conveyor serve` inter-token latency
     (512); an explicit budget wins everywhere; without chunking a prompt must fit one step."""

@@ -28,8 +28,9 @@ def _require(cond: bool, name: str, allowed: str, value: object) -> None:
 
 
 def parse_memory(value: int | float | str, name: str = "kv_cache_memory") -> int:
-    """Bytes from an int (bytes), a float (GiB) or a string like "2GiB", "512MB", "1e9";
-    ValueError names the setting ``name``."""
+    """Bytes from an int (bytes), a float (GiB) or a string like "2GiB", "512MB", "1e9" (a
+    string without a unit is bytes from 1024 up, GiB below it: "4" is 4 GiB); ValueError
+    names the setting ``name``."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
     if isinstance(value, int):
@@ -182,7 +183,8 @@ class CacheConfig:
 
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory: int = setting(
-        1 * GiB, "KV cache budget (K and V of all layers): bytes, or a size like 2GiB / 512MiB",
+        1 * GiB, "KV cache budget (K and V of all layers): a size like 2GiB / 512MiB, or "
+                 "bytes (a bare number below 1024 is GiB)",
         flag_type=str)
     kv_cache_dtype: str = setting(
         "auto", "auto (the model's dtype) or int8 (each token's K and V per head quantized "
