@@ -26,8 +26,9 @@ So a request drafts its i-th token only while ``alpha ** i`` clears that thresho
 batch is large enough that the step is compute-bound (``b*T`` dominates ``a``) the threshold
 nears 1 and speculation turns itself off for the step; when the weights' read dominates
 (small batches) it is close to 0. A draft model as costly as the target (``c`` near
-``t``) keeps it above 1 at any batch size. A request whose drafts keep failing stops drafting, and
-retries one draft after a back-off that doubles (up to ``MAX_BACKOFF_STEPS``). With
+``t``) keeps it above 1 at any batch size. A request whose drafts keep failing stops drafting
+for a back-off that doubles (up to ``MAX_BACKOFF_STEPS``), then drafts again as many as its
+acceptance estimate is worth. With
 ``adaptive: false`` the step's cost is not consulted (the threshold stays 0): every request
 with a match drafts up to ``num_speculative_tokens``, back-off included.
 """
@@ -64,7 +65,7 @@ class NgramProposer:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) <= self.min_n:
             return []
-        ids = array("i", tokens)  # token ids fit int32; bytes.rfind runs in C
+        ids = array("i", tokens)  # token ids fit int32; bytes.find runs in C
         size, data = ids.itemsize, ids.tobytes()
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             pattern = data[-n * size:]
@@ -88,15 +89,6 @@ class SpecDecodeStats:
     # accepted tokens by draft position (index 0: the first draft of a verify)
     accepted_per_pos: list[int] = field(default_factory=list)
     num_steps_off: int = 0  # steps where the cost model let no request draft
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verify yields on average: accepted drafts plus the sampled one."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The LLMEngine step loop in its own thread, with one async stream of outputs per request.
 
-``LLMEngine`` is not thread-safe, so only the loop thread touches it: the event loop queues
-commands (add, abort) that the loop thread applies between steps, and the loop thread hands
+``LLMEngine`` is not thread-safe, so only the loop thread changes it: the event loop queues
+commands (add, abort) that the loop thread applies between steps (other threads only
+tokenize, check prompts and compile grammars: reads of the tokenizer and config, and the
+grammar cache, which has its own lock), and the loop thread hands
 each step's outputs back to the event loop in one ``call_soon_threadsafe``. A forward pass
 never blocks the event loop, and the loop thread sleeps on a condition when there is no work.
 
@@ -176,10 +178,6 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.scheduler_config.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Safe from any thread: reads only the tokenizer and the model config."""

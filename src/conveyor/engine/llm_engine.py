@@ -113,7 +113,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_consecutive_step_failures = 0
-        # Opt-in per-step record of scheduling decisions (see trace_step), for plots.
+        # Opt-in per-step record of scheduling decisions (see _trace_step), for plots.
         self.step_trace: list[StepTrace] | None = [] if args.step_trace else None
         # Called with every step's StepTrace when set (the server's live view keeps only a
         # window of them); it must not raise. Set before the first step, by the loop's owner.
@@ -547,7 +547,8 @@ class LLMEngine:
         return output
 
     def block_map(self) -> BlockMap:
-        """Who holds which KV block now (loop thread only, like every method here)."""
+        """Who holds which KV block now (loop thread only, like every method that reads or
+        changes the scheduler)."""
         return self.scheduler.kv_cache.block_map()
 
     def check_integrity(self) -> None:

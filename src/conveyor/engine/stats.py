@@ -88,8 +88,9 @@ class ScheduledEntry(NamedTuple):
 
     request_id: str
     num_new_tokens: int  # tokens computed for it in the step
-    # "decode" (one token past its prompt), "verify" (a decode with drafted tokens) or
-    # "prefill" (a prompt or recompute chunk)
+    # "decode" (one new token after computed ones: a generated token's step, or a prompt's
+    # last token left alone by chunking or a prefix hit), "verify" (a decode with drafted
+    # tokens) or "prefill" (any other prompt or recompute chunk): llm_engine._step_kind
     kind: str
 
 

@@ -53,7 +53,8 @@ class StepSummary:
     step: int
     time: float  # Unix time the step began (seconds)
     duration_ms: float
-    scheduled: tuple[tuple[str, int, str], ...]  # (request id, tokens, "prefill" | "decode")
+    # (request id, tokens, "prefill" | "decode" | "verify": StepTrace's kinds)
+    scheduled: tuple[tuple[str, int, str], ...]
     preempted: tuple[str, ...]
     # Request ids waiting after this step that were not waiting after the previous one
     # recorded (new requests, preempted ones back in the queue): the page marks them waiting
@@ -226,10 +227,6 @@ class EngineEvents:
         finally:
             self._subscribers.discard(subscriber)
             self._num_subscribers = len(self._subscribers)
-
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
 
     async def run(self) -> None:
         """The publisher task (started with the app); ends the streams when the engine stops

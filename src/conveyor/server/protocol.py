@@ -87,7 +87,8 @@ class _SamplingFields(_Request):
 
     # Fields of vLLM's or OpenAI's API that would change the output and that this server
     # does not implement, each with the value that asks for nothing: a request that sets one
-    # to anything else (or null, [], {}) is a 400 naming it, not an answer that ignored it.
+    # to anything but that value, null, [] or {} is a 400 naming it, not an answer that
+    # ignored it.
     unsupported: ClassVar[dict[str, Any]] = {
         "logits_processors": None,
         "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
