@@ -91,3 +91,16 @@ def test_a_port_in_use_is_refused_before_the_model_loads(
         assert main(["serve", "--port", str(port)]) == 2
         assert time.monotonic() - started < 5  # no model was loaded
     assert f"--port {port} on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_building_the_parser_imports_no_torch() -> None:
+    """`conveyor plan` and `--help` must not pay for torch (~2 s): every command's parser is
+    built without it (a fresh interpreter: this one has torch already)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom conveyor.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -94,7 +94,7 @@ class DatasetConfig:
     num_prompts: int = 1000
     seed: int = 0
     input_len: int = 1024  # random: mean prompt tokens
-    output_len: int = 128  # random: mean output tokens; sharegpt: override when set
+    output_len: int = 128  # random: mean output tokens; json-schema: each request's max_tokens
     range_ratio: float = 0.0  # random: lengths uniform in [len*(1-r), len*(1+r)]
     skewed: SkewedMix = SkewedMix()
     dataset_path: str | None = None  # sharegpt: the JSON file

@@ -34,7 +34,6 @@ from typing import Any
 import httpx
 
 from conveyor.bench.datasets import DatasetConfig, sample_requests
-from conveyor.bench.http_overhead import serve_subprocess
 from conveyor.bench.serve import BenchmarkConfig, run_benchmark
 from conveyor.config import EngineArgs
 
@@ -48,7 +47,7 @@ WARM_UP_REQUESTS = 4
 class WebOverheadConfig:
     """What `bench web` runs; validated at construction."""
 
-    num_requests: int = 32  # requests of the skewed workload per run
+    num_requests: int = 32  # requests per run (cost: the head-of-line mix; ab: skewed)
     rounds: int = 3  # pairs of runs (watched, unwatched)
     watcher: str = "events"  # one of WATCHERS
     workload_seed: int = 0
@@ -213,6 +212,8 @@ def run_web_cost(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
 
 
 def run_web_overhead(args: EngineArgs, config: WebOverheadConfig) -> dict[str, Any]:
+    from conveyor.bench.http_overhead import serve_subprocess  # imports torch: not at parse
+
     if config.mode == "cost":
         return run_web_cost(args, config)
     with serve_subprocess(args, "--disable-log-requests") as url:

@@ -1,8 +1,9 @@
 """``--device this``: measure this machine's memory, memory bandwidth and bf16 matmul speed.
 
-Two short torch benchmarks, about a second each: a large tensor copy (bandwidth) and a
-square bf16 matmul (compute). Both report the best of several runs, since the machine may
-be shared and the best run is the closest to what the hardware can do.
+Two short torch benchmarks, about half a second each (``TIME_BUDGET_S``): a large tensor
+copy (bandwidth) and a square bf16 matmul (compute). Both report the best of several runs,
+since the machine may be shared and the best run is the closest to what the hardware can
+do.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ class RooflineCost:
         if self.step_overhead_s < 0:
             raise ValueError(f"--step-overhead-ms must be >= 0, got {self.step_overhead_s * 1e3}")
         if not self.link_bytes_per_s > 0:
-            raise ValueError(f"--link-gbs must be > 0, got {self.link_bytes_per_s / 1e9}")
+            raise ValueError(f"the link's bandwidth (--link-gbs) must be > 0, got "
+                             f"{self.link_bytes_per_s / 1e9}")
 
     @property
     def request_time_s(self) -> float:

@@ -5,7 +5,8 @@ together, for each B of the grid; at each B, a few pure decode steps are timed, 
 per prefill size P in which a new P-token prompt is computed alongside the B decodes. Every
 step the engine runs (the setup prefills too) is a sample: its shape is read off the
 scheduler's output, its time is ``LLMEngine.step`` end to end (schedule, forward, sample,
-update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_terms``. Then lone
+update, detokenize). The samples are fitted with ``conveyor.sim.cost.fit_robust`` (a fit,
+outliers past 3x the median residual dropped, a second fit). Then lone
 prefills after an idle spell and right after another one price the idle cost
 (``MeasuredCost.idle_time``).
 """
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from conveyor import __version__
 from conveyor.config import EngineArgs
 from conveyor.core.outputs import SchedulerOutput
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost import (
     TERMS,
@@ -42,9 +42,10 @@ from conveyor.sim.cost import (
 )
 from conveyor.sim.simulator import SimRequest, SimSetup, simulate
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # LLMEngine imports torch: not when `conveyor` builds its parser
     from conveyor.bench.datasets import SampleRequest
     from conveyor.bench.metrics import RequestRecord
+    from conveyor.engine.llm_engine import LLMEngine
     from conveyor.runner.model_runner import KVCacheLayout
 
 logger = logging.getLogger(__name__)

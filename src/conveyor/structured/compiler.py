@@ -51,22 +51,14 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarStats:
-    """Cumulative counters of one compiler (the engine's stats carry a copy)."""
+    """Cumulative counters of one compiler (the engine's stats carry the compiles, cache hits
+    and compile seconds)."""
 
     num_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     num_cache_hits: int = 0  # requests served from the cache (or an in-flight compile)
     num_compile_errors: int = 0  # invalid or unsupported constraints
     num_compile_timeouts: int = 0  # compiles that outlived compile_timeout
     compile_seconds: float = 0.0  # total time of the finished compiles
-
-    @property
-    def mean_compile_seconds(self) -> float:
-        return self.compile_seconds / self.num_compiles if self.num_compiles else 0.0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        lookups = self.num_compiles + self.num_cache_hits
-        return self.num_cache_hits / lookups if lookups else 0.0
 
 
 @dataclass
