@@ -1332,8 +1332,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed,
 // every row the same bits; else that M always runs as two halves (each one a call of this
 // function). The verdict is per shape, so the model's 30 layers share it, and a first call
 // costs one layer about a small-call pass more (all the model's matmuls: 1.5-10 ms more at
-// 150-777 rows on a 2-core AMX Xeon), besides oneDNN's own first call at a new row count (4-6
-// ms: it builds a primitive; docs/benchmarks.md). Up to kQuantizedMaxRows rows, weights with GGUF blocks pay neither.
+// 150-777 rows on a 2-core AMX Xeon), besides oneDNN's own first call at a new row count
+// (4-6 ms: it builds a primitive; docs/benchmarks.md). Up to kQuantizedMaxRows rows, weights
+// with GGUF blocks pay neither.
 using RowsKey = std::tuple<int64_t, int64_t, bool, int, int64_t>;  // N, K, blocks, threads, M
 std::mutex one_call_mutex;
 std::map<RowsKey, bool>& one_call_verdicts() {

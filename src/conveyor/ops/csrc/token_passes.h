@@ -1,9 +1,9 @@
 // Token passes of the matmul kernels, and their tasks (a pass against a run of output groups).
 // TokenPasses: m rows cut into the fewest passes of at most `most` rows, all of (nearly) the
-// same length. The kernels split (pass x output tile) tasks evenly
-// over the threads, so tasks must cost the same: with passes of exactly `most` rows a short
-// last one left a thread idle (144 rows in passes of 64, 64 and 16 ran the 2-thread float32
-// matmuls 1.5x slower than 128 rows). A row's operations never depend on its pass.
+// same length. The kernels split (pass x output tile) tasks evenly over the threads, so tasks
+// must cost the same: with passes of exactly `most` rows a short last one left a thread idle
+// (144 rows in passes of 64, 64 and 16 ran the 2-thread float32 matmuls 1.5x slower than 128
+// rows). A row's operations never depend on its pass.
 #pragma once
 
 #include <algorithm>
