@@ -91,6 +91,7 @@ def test_a_chat_answer_streams_in(page: Any, server: ServerProcess, tmp_path: An
 def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess,
                                                tmp_path: Any) -> None:
     with screenshot_on_failure(page, tmp_path, "stop"):
+        page.click("#new-chat")  # a fresh conversation whatever the test before left
         ask(page, "Write a long story about a dragon who learns to sail.", 200)
         page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .text')"
                                "?.textContent.length > 20")
