@@ -255,9 +255,8 @@ void blocks_outer(const Call& p, const Records<Type>& r, int64_t groups, int64_t
 template <int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t groups, int64_t m) {
   const int64_t record = bf16_record_bytes(Type);
-  std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
   for_each_group_task<uint8_t, kTaskGroups>(
-      w, p.blocks * record, groups, kTaskGroups, TokenPasses(m, kPass), m, zeros.data(),
+      w, p.blocks * record, groups, kTaskGroups, TokenPasses(m, kPass), m,
       [&](const GroupTask<uint8_t, kTaskGroups>& t, int64_t) {
         static thread_local std::vector<float> acc;  // kept between calls: no fresh pages
         Records<Type> r{{}, record, nibble_levels<Type>()};

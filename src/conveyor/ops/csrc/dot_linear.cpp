@@ -119,10 +119,8 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& w,
   const auto* wd = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
   const TokenPasses passes(m, kTokenPass);
   const int64_t group_words = pairs * kGroupRows;
-  // What a task's group pointers past the last group point at.
-  const std::vector<uint32_t> zeros(static_cast<size_t>(groups % kTaskGroups ? group_words : 0));
   for_each_group_task<uint32_t, kTaskGroups>(
-      wd, group_words, groups, kTaskGroups, passes, m, zeros.data(),
+      wd, group_words, groups, kTaskGroups, passes, m,
       [&](const GroupTask<uint32_t, kTaskGroups>& t, int64_t) {
         for (int64_t m0 = t.m0; m0 < t.m1; m0 += kMaxTokens) {
           const int64_t rows = std::min<int64_t>(kMaxTokens, t.m1 - m0);

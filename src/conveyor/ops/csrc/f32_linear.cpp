@@ -216,11 +216,11 @@ void dense_tokens(const float* x, int64_t k, const float* const* g, int64_t here
 // Calls f(tiles, first, here, m0, m1) for every task (for_each_group_task): token rows [m0,
 // m1) (a pass of at most kF32Pass, all passes alike: TokenPasses) against lane tiles [first,
 // first + here) (at most kTaskTiles, each `tile` elements from w; absent ones point at
-// `zeros`).
+// zeros).
 template <class V, class T, class F>
-void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, const T* zeros, F&& f) {
+void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, F&& f) {
   constexpr int64_t per = kTaskTiles<V>;
-  for_each_group_task<T, per>(w, tile, tiles, per, TokenPasses(m, kF32Pass), m, zeros,
+  for_each_group_task<T, per>(w, tile, tiles, per, TokenPasses(m, kF32Pass), m,
                               [&](const GroupTask<T, per>& t, int64_t) {
                                 f(t.group, t.first, t.here, t.m0, t.m1);
                               });
@@ -229,8 +229,7 @@ void for_each_task(const T* w, int64_t tile, int64_t tiles, int64_t m, const T* 
 template <class V>
 void dense_linear(const float* x, const float* w, const float* bias, float* y, int64_t m,
                   int64_t n, int64_t k) {
-  const std::vector<float> zeros(static_cast<size_t>(k * kLanes), 0.f);
-  for_each_task<V>(w, k * kLanes, n / kLanes, m, zeros.data(),
+  for_each_task<V>(w, k * kLanes, n / kLanes, m,
                    [&](const float* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
     for (; m0 < m1; m0 += V::kTokens)
       with_rows<V::kTokens>(m1 - m0, [&](auto rows) {
@@ -418,8 +417,7 @@ void blocks_outer(const Call& p, const Records<V, Type>& r, int64_t here, int64_
 template <class V, int64_t Type>
 void run(const Call& p, const uint8_t* w, int64_t tiles, int64_t m) {
   const int64_t record = record_format(Type).bytes;
-  const std::vector<uint8_t> zeros(static_cast<size_t>(record * p.blocks), 0);
-  for_each_task<V>(w, p.blocks * record, tiles, m, zeros.data(),
+  for_each_task<V>(w, p.blocks * record, tiles, m,
                    [&](const uint8_t* const* g, int64_t first, int64_t here, int64_t m0, int64_t m1) {
     Records<V, Type> r{{}, record};
     std::copy(g, g + kTaskTiles<V>, r.first);

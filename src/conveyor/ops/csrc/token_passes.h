@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "parallel_tasks.h"
 
@@ -26,7 +27,7 @@ struct TokenPasses {
 };
 
 // A matmul task: token rows [m0, m1) (one pass) against output groups [first, first + here),
-// at most Per; group[j] is where group first + j's weights start, or `zeros` past the last
+// at most Per; group[j] is where group first + j's weights start, or zeros past the last
 // group, so that a kernel may always run Per groups.
 template <class T, int64_t Per>
 struct GroupTask {
@@ -40,8 +41,11 @@ struct GroupTask {
 // first group of the task the thread expects to run next (for fetching ahead), or -1.
 template <class T, int64_t Per, class F>
 void for_each_group_task(const T* w, int64_t group_size, int64_t groups, int64_t per,
-                         const TokenPasses& passes, int64_t m, const T* zeros, F&& f) {
+                         const TokenPasses& passes, int64_t m, F&& f) {
   const int64_t tasks = (groups + per - 1) / per;
+  // What the last task's pointers past the last group point at (a group of zeros).
+  const std::vector<T> zero_group(static_cast<size_t>(groups % per ? group_size : 0));
+  const T* zeros = zero_group.data();
   parallel_shares(passes.count * tasks, [&](int64_t task, int64_t next) {
     const int64_t pass = task / tasks, first = (task % tasks) * per;
     GroupTask<T, Per> t{{}, first, std::min(per, groups - first), passes.begin(pass),

@@ -392,9 +392,8 @@ void vnni_run(const VnniCall& p, const uint8_t* w, int64_t groups, int64_t m) {
   // of two threads idle an eighth of the time).
   const bool streamed = passes.len <= kVnniStreamed;
   const int64_t per_task = streamed ? kTaskGroups : 1;
-  std::vector<uint8_t> zeros(static_cast<size_t>(groups % per_task ? record * p.blocks : 0), 0);
   for_each_group_task<uint8_t, kTaskGroups>(
-      w, p.blocks * record, groups, per_task, passes, m, zeros.data(),
+      w, p.blocks * record, groups, per_task, passes, m,
       [&](const GroupTask<uint8_t, kTaskGroups>& task, int64_t next) {
         // Kept between calls: a fresh buffer this size would be new pages, faulted in every
         // call.
