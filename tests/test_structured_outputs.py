@@ -227,10 +227,12 @@ def test_grammar_out_of_fuel_ends_with_error_alone(default_llm, kv_free) -> None
     ({"grammar": "root ::= undefined_rule"}, ["structured_outputs.grammar"]),
 ])
 def test_bad_constraints_name_the_field(llm, kv_free, spec: dict, words: list[str]) -> None:
+    errors = llm.stats().grammar_compile_errors
     with pytest.raises(ValueError) as e:
         llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
     for word in words:
         assert word in str(e.value)
+    assert llm.stats().grammar_compile_errors == errors + 1
     kv_free(llm)
 
 

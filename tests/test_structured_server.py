@@ -236,8 +236,12 @@ def test_compile_timeout_is_400_and_harms_nobody(server: ServerProcess,
                 model=server.model, messages=ASK_WEATHER, max_tokens=8, temperature=0)
             return await asyncio.gather(bad, good)
 
+    timeouts = httpx.get(server.base_url + "/stats").json()["grammar_compile_timeouts"]
     bad, good = asyncio.run(run())
     assert bad.status_code == 400 and "grammar_compile_timeout" in bad.json()["error"]["message"]
+    # (/stats is the snapshot after the engine's latest step: one more request takes one)
+    client.completions.create(model=server.model, prompt="Hi", max_tokens=1)
+    assert httpx.get(server.base_url + "/stats").json()["grammar_compile_timeouts"] == timeouts + 1
     assert good.choices[0].finish_reason == "length" and good.choices[0].message.content
     assert httpx.get(server.base_url + "/health").status_code == 200
     _kv_free(server)

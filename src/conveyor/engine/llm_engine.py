@@ -208,6 +208,8 @@ class LLMEngine:
             grammar_compiles=grammar.num_compiles,
             grammar_cache_hits=grammar.num_cache_hits,
             grammar_compile_seconds=grammar.compile_seconds,
+            grammar_compile_errors=grammar.num_compile_errors,
+            grammar_compile_timeouts=grammar.num_compile_timeouts,
             grammar_forced_draft_tokens=sched.stats.num_forced_draft_tokens,
             grammar_forced_accepted_tokens=sched.stats.num_forced_accepted_tokens,
             **spec_decode_fields(sched.spec.stats if sched.spec is not None else None),

@@ -43,6 +43,8 @@ class EngineStats:
     grammar_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     grammar_cache_hits: int = 0  # constrained requests whose grammar was cached
     grammar_compile_seconds: float = 0.0  # total compile time
+    grammar_compile_errors: int = 0  # constraints the grammar engine refused (400s)
+    grammar_compile_timeouts: int = 0  # compiles that outlived grammar_compile_timeout (400s)
     # tokens a grammar forced, verified as drafts (grammar_forced_drafts), and of those kept
     grammar_forced_draft_tokens: int = 0
     grammar_forced_accepted_tokens: int = 0

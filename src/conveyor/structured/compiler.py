@@ -51,8 +51,7 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarStats:
-    """Cumulative counters of one compiler (the engine's stats carry the compiles, cache hits
-    and compile seconds)."""
+    """Cumulative counters of one compiler (the engine's stats carry them as grammar_*)."""
 
     num_compiles: int = 0  # grammars compiled (cache misses), failed ones too
     num_cache_hits: int = 0  # requests served from the cache (or an in-flight compile)
