@@ -22,6 +22,10 @@ from web_fixtures import browser_page, firefox_session, screenshot_on_failure
 pytestmark = pytest.mark.slow  # loads the default model
 
 LAST_ANSWER = "#messages .msg.assistant:last-child"
+# Greedy SmolLM2-135M-Instruct: "The capital of France is Paris. It's a city steeped in history
+# and ...", 40 tokens and more. (An 8-token answer could reach a loaded browser in one render,
+# which the streaming checks would take for an answer that arrived whole.)
+QUESTION = "What is the capital of France, and what is it famous for?"
 # Records every text the newest answer shows, to tell a streamed answer from one that
 # arrives whole.
 WATCH_ANSWER = """() => {
@@ -70,11 +74,11 @@ def ask(page: Any, question: str, max_tokens: int) -> None:
 
 def test_a_chat_answer_streams_in(page: Any, server: ServerProcess, tmp_path: Any) -> None:
     with screenshot_on_failure(page, tmp_path, "chat"):
-        ask(page, "What is the capital of France?", 40)
+        ask(page, QUESTION, 40)
         page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .stats')"
                                "?.textContent.includes('tokens')")
         answer = page.inner_text(f"{LAST_ANSWER} .text")
-        assert "Paris" in answer  # greedy SmolLM2-135M-Instruct: "The capital of France is Paris."
+        assert "Paris" in answer
         partial = {t for t in page.evaluate("window.answerTexts") if t and t != answer}
         assert partial, "the answer appeared whole, not streamed"
         assert all(answer.startswith(t) for t in partial)
@@ -227,7 +231,7 @@ def test_firefox_streams_an_answer_and_shows_the_burst(server: ServerProcess,
         client.execute_script(WATCH_ANSWER.replace("() => {", "(() => {", 1) + ")();",
                               sandbox=None)
         prompt = client.find_element(By.CSS_SELECTOR, "#prompt")
-        prompt.send_keys("What is the capital of France?")
+        prompt.send_keys(QUESTION)
         prompt.send_keys(Keys.ENTER)
         firefox_wait(client, f"return document.querySelector('{LAST_ANSWER} .stats')"
                              "?.textContent.includes('tokens')")
