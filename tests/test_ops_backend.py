@@ -22,7 +22,7 @@ def test_select_backend_by_device_and_dtype() -> None:
     f32, bf16 = ops.select_backend(cpu, torch.float32), ops.select_backend(cpu, torch.bfloat16)
     for backend in (f32, bf16):
         assert isinstance(backend, ops.CpuKernelBackend)
-        assert backend.name == "cpu" and backend.fused_decode and backend.paged_attention_in_place
+        assert backend.name == "cpu" and backend.fused_decode
     assert f32.prefill_rows_as_decodes and not f32.prefill_attention_kernel
     assert f32.quantized_matmuls == ops.f32_kernels_available()
     assert not bf16.prefill_rows_as_decodes
@@ -37,8 +37,6 @@ def test_select_backend_by_device_and_dtype() -> None:
     for backend in (cuda, other):
         assert not (backend.fused_decode or backend.quantized_matmuls
                     or backend.prefill_attention_kernel or backend.prefill_rows_as_decodes)
-        # in place exactly where a kernel runs the step (CUDA with FlashInfer or Triton)
-        assert backend.paged_attention_in_place == (backend.step_attention is not None)
     assert other.step_attention is None
 
 

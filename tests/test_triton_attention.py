@@ -154,7 +154,6 @@ class _TritonBackend(ReferenceBackend):
 
     def __init__(self) -> None:
         self.step_attention = triton_paged_attention
-        self.paged_attention_in_place = True
 
 
 def test_an_engine_whose_backend_has_the_kernel_generates_as_the_reference(

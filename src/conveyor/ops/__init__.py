@@ -6,7 +6,7 @@ The ops: ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rotary_``, ``write_kv_
 ``argmax`` (signatures in ``reference.py``; ``prefill_attention``'s and its tile-layout
 twin's references are ``backend.reference_prefill_attention`` and ``_tiles``), plus capability
 flags the callers read (``fused_decode``, ``quantized_matmuls``, ``prefill_attention_kernel``,
-``prefill_rows_as_decodes``, ``paged_attention_in_place``, ``kv_cache_tiles``).
+``prefill_rows_as_decodes``, ``kv_cache_tiles``).
 
 On CPU they are the C++ kernels (``cpu_kernels.py``, the only module that calls
 ``torch.ops.conveyor``), built from ``csrc/*.cpp`` on first use. Each kernel replaces several

@@ -8,8 +8,7 @@ device can do, three implementations, chosen in one place (``select_backend``).
   with AMX or AVX512-BF16, a bf16 KV cache in the tile layout (``kv_cache_tiles``).
 - ``CudaBackend``: the torch reference ops on CUDA tensors, and as ``step_attention`` the
   paged-attention kernel ``attention/cuda_backend.py`` picks (FlashInfer, else Triton),
-  which reads the blocks in place (``paged_attention_in_place``); without either, SDPA over
-  gathered blocks.
+  which reads the blocks in place; without either, SDPA over gathered blocks.
 
 Callers read the capability flags; they never test which backend they hold.
 """
@@ -55,11 +54,6 @@ class OpsBackend(Protocol):
     def prefill_rows_as_decodes(self) -> bool:
         """Every row of a prefill chunk attends as a decode (``decode_attention`` over its
         context), so a row's result never depends on its chunk."""
-
-    @property
-    def paged_attention_in_place(self) -> bool:
-        """Attention reads the KV blocks where they lie (``decode_attention``, or the
-        ``step_attention`` kernel where there is one); False: it gathers them."""
 
     @property
     def kv_cache_tiles(self) -> bool:
@@ -144,7 +138,6 @@ class ReferenceBackend:
     quantized_matmuls = False
     prefill_attention_kernel = False
     prefill_rows_as_decodes = False
-    paged_attention_in_place = False
     kv_cache_tiles = False  # the reference reads and writes it, but nothing gains from it
     step_attention: PagedAttentionFn | None = None
 
@@ -178,7 +171,6 @@ class CudaBackend(ReferenceBackend):
 
         self.attention = cuda_paged_attention_backend(dtype)
         self.step_attention = paged_attention_kernel(self.attention)
-        self.paged_attention_in_place = self.step_attention is not None
 
 
 class CpuKernelBackend:
@@ -186,7 +178,6 @@ class CpuKernelBackend:
 
     name = "cpu"
     fused_decode = True
-    paged_attention_in_place = True
     step_attention: PagedAttentionFn | None = None  # the ops below compose it
 
     def __init__(self, dtype: torch.dtype) -> None:
