@@ -210,6 +210,26 @@ def test_stop_string_across_token_boundary(default_llm, default_greedy, kv_free)
     kv_free(default_llm)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_on_the_last_allowed_token_is_a_stop(default_llm, default_greedy, kv_free,
+                                                         include) -> None:
+    """A stop string that the max_tokens-th token completes: finish_reason "stop" (as vLLM),
+    not "length", and the text cut at it."""
+    ids, text = default_greedy
+    tokenizer = default_llm.get_tokenizer()
+    k = 4
+    before, through = len(tokenizer.decode(ids[:k])), tokenizer.decode(ids[:k + 1])
+    stop = through[before - 1:]  # the last character of token k-1 and all of token k's text
+    assert text.find(stop) == before - 1 and through.endswith(stop)
+    (out,) = default_llm.generate(STOP_PROMPT, SamplingParams(
+        temperature=0, max_tokens=k + 1, stop=[stop], include_stop_str_in_output=include))
+    completion = out.outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert completion.text == (through if include else through[:before - 1])
+    assert completion.token_ids == ids[:k + 1]
+    kv_free(default_llm)
+
+
 def test_min_tokens_holds_back_stop_strings(default_llm, default_greedy, kv_free) -> None:
     """As vLLM: a stop string counts only where it ends past the first min_tokens tokens."""
     ids, text = default_greedy

@@ -116,6 +116,27 @@ def test_regex_choice_grammar_and_preemption(tiny_llama_dir, kv_free) -> None:
     kv_free(llm)
 
 
+@pytest.mark.parametrize("max_tokens", [None, "all"])
+def test_a_stop_string_among_forced_drafts_ends_the_text(llm, kv_free, max_tokens) -> None:
+    """One choice: after its first token the grammar forces the rest, verified in one step.
+    A stop string that an early draft completes ends the output there, as "stop", also when
+    the step's last token reached max_tokens (the scheduler has finished the request)."""
+    text = "hello world and the sea and the sky"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, stop=["world"], ignore_eos=True,
+                            max_tokens=len(ids) if max_tokens else 64,
+                            structured_outputs=StructuredOutputsParams(choice=[text]))
+    before = llm.stats().grammar_forced_accepted_tokens
+    (out,) = llm.generate(PROMPTS[0], params)
+    completion = out.outputs[0]
+    # all but the first token (sampled) and the step's own last one came as drafts
+    assert llm.stats().grammar_forced_accepted_tokens - before >= len(ids) - 2
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == \
+        ("hello ", "stop", "world")
+    assert llm.get_tokenizer().decode(completion.token_ids).rstrip() == "hello world"
+    kv_free(llm)
+
+
 def test_max_tokens_mid_structure_is_length(llm) -> None:
     out = llm.generate(PROMPTS[0], _json(SCHEMAS[-1]).replace(max_tokens=3))[0].outputs[0]
     assert out.finish_reason == "length"

@@ -514,10 +514,14 @@ class LLMEngine:
             lp = logprobs[i] if logprobs is not None else None
             if lp is not None:
                 self._name_tokens([lp])
-            if seq.add_token(token, lp, last=i == len(new) - 1) is not None \
-                    and not request.status.finished:
-                self.scheduler.finish_requests([request.request_id],
-                                               RequestStatus.FINISHED_STOPPED)
+            if seq.add_token(token, lp, last=i == len(new) - 1) is not None:
+                if not request.status.finished:
+                    self.scheduler.finish_requests([request.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
+                elif request.status == RequestStatus.FINISHED_LENGTH:
+                    # the stop string ended on or before the token that reached max_tokens
+                    # (the scheduler has finished it): it stopped, as vLLM reports it
+                    request.status = RequestStatus.FINISHED_STOPPED
                 request.truncate_output(seq.num_tokens_seen)
                 break
         if request.status.finished:
