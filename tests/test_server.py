@@ -377,6 +377,26 @@ def test_bad_input_gets_openai_error(server: ServerProcess, path: str, body: obj
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+def test_null_options_take_their_defaults(server: ServerProcess):
+    """OpenAI's API declares n, stream, logprobs, echo and more nullable: null is the
+    default, as vLLM takes it, not a 400."""
+    url = server.base_url + "/v1"
+    chat = {"model": server.model, "messages": CHAT, "max_completion_tokens": 3,
+            "temperature": 0}
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "parallel_tool_calls", "ignore_eos",
+                           "min_tokens", "skip_special_tokens", "priority", "seed"))
+    plain = httpx.post(url + "/chat/completions", json=chat).json()
+    nulled = httpx.post(url + "/chat/completions", json={**chat, **nulls})
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain["choices"]
+    completion = httpx.post(url + "/completions", json={
+        "model": server.model, "prompt": PROMPT, "ignore_eos": True, "echo": None, "n": None,
+        "stream": None, "include_stop_str_in_output": None})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
+    assert len(completion.json()["choices"]) == 1
+
+
 def test_context_length_messages_use_openai_wording(server: ServerProcess):
     url = server.base_url + "/v1/completions"
     too_long = httpx.post(url, json={"prompt": _LONG}).json()["error"]

@@ -9,8 +9,9 @@ and that this server does not implement (``unsupported``): those are a 400 namin
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -18,6 +19,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 # Integers every request field fits in (a sampling seed must fit torch's 64-bit generator).
@@ -27,6 +29,26 @@ TokenId = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default where null is not one of its values:
+        OpenAI's API declares n, stream, logprobs, echo and most options nullable, and
+        clients send null for options left unset. (A required field's null stays an error;
+        a field that takes None keeps its meaning, e.g. max_tokens: null, as many as fit.)"""
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_on_null(cls)
+        return {key: value for key, value in data.items()
+                if value is not None or key not in defaulted}
+
+
+@functools.cache
+def _defaulted_on_null(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` that have a default and do not take None."""
+    return frozenset(name for name, field in model.model_fields.items()
+                     if not field.is_required() and type(None) not in get_args(field.annotation))
 
 
 class StreamOptions(_Request):
