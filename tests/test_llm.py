@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import TINY_KV_MEMORY
 from conveyor import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from conveyor.outputs import RequestOutput
 
@@ -259,6 +260,24 @@ def test_metrics_are_ordered(tiny_llm, prompts, kv_free) -> None:
     arrivals = [o.metrics.arrival_time for o in outputs]
     assert arrivals == sorted(arrivals)
     kv_free(tiny_llm)
+
+
+def test_step_trace_shows_requests_a_stop_string_ended(tiny_llama_dir, kv_free) -> None:
+    """A stop string ends a request after the scheduler's update: the step's trace still
+    lists it as finished and counts its blocks as freed."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+              step_trace=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (free,) = llm.generate("one two three", params)
+    text = free.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    first = len(llm.engine.step_trace or [])
+    (out,) = llm.generate("one two three", params.replace(stop=[stop]))
+    assert out.outputs[0].finish_reason == "stop"
+    trace = (llm.engine.step_trace or [])[first:]
+    assert [step.finished for step in trace if step.finished] == [(out.request_id,)]
+    assert trace[-1].kv_blocks_used == 0
+    kv_free(llm)
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -410,13 +410,14 @@ class LLMEngine:
                 entry[0].add_prompt_logprobs(position, entries)
         failed = self._fail_sequences(scheduler_output, runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
+        outputs = self._emit(updated, runner_output, failed)  # (ends those a stop string ends)
         if self.step_trace is not None or self.trace_listener is not None:
             trace = self._trace_step(scheduler_output, updated, step.start)
             if self.step_trace is not None:
                 self.step_trace.append(trace)
             if self.trace_listener is not None:
                 self.trace_listener(trace)
-        return self._emit(updated, runner_output, failed)
+        return outputs
 
     def _fail_sequences(self, out: SchedulerOutput, errors: dict[str, str]
                         ) -> list[RequestGroup]:

@@ -102,7 +102,7 @@ class StepTrace:
 
     step: int  # the scheduler's step id
     time: float  # time.perf_counter() when the step began
-    duration: float  # seconds the step took (schedule, forward, update)
+    duration: float  # seconds the step took (schedule, forward, update, outputs)
     scheduled: tuple[ScheduledEntry, ...]  # who ran how many tokens, in batch order
     preempted: tuple[str, ...]  # request ids preempted in this step (sorted)
     waiting: tuple[str, ...]  # request ids waiting after the step, in the policy's order
