@@ -220,6 +220,30 @@ def test_tenant_weights_shift_the_shares_two_to_one(tiny_llama_dir, kv_free) -> 
     kv_free(llm)
 
 
+def test_a_newcomer_starts_from_a_running_tenants_service_not_zero() -> None:
+    """Tenant A's two long requests run, none waits; B arrives, then both queue 8 short
+    ones. B starts from A's service (no banked credit: A is active though its queue is
+    empty), so the two alternate instead of B taking every admission first."""
+    h = make_policy_harness(num_blocks=2048, block_size=4, policy="fair", max_num_seqs=4)
+    for i in range(2):
+        h.add(make_policy_request(f"A-long{i}", list(range(1 + 50 * i, 33 + 50 * i)), 300,
+                                  user="A"))
+    for _ in range(100):
+        h.step()
+    for tenant, first in (("B", 500), ("A", 600)):
+        for i in range(8):
+            h.add(make_policy_request(f"{tenant}{i}", [first + i] * 8 + list(range(100, 124)),
+                                      16, user=tenant))
+    assert h.sched.policy.served["B"] >= h.sched.policy.served["A"] - 32  # ~A's, not 0
+    order: list[str] = []
+    while h.sched.has_unfinished_requests():
+        order += [r.request_id for r in h.step().new_requests
+                  if r.request_id not in order and "long" not in r.request_id]
+    first_a = next(i for i, rid in enumerate(order) if rid.startswith("A"))
+    assert first_a <= 3, order  # (as it was: all eight of B's first)
+    assert_no_leak(h.sched)
+
+
 # ---------------------------------------------------------------- randomized stress
 def _stress(policy: str, preemption: str, seed: int, async_scheduling: bool = False) -> Harness:
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ Shared rules, enforced here for every policy:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 from conveyor.config import SchedulerConfig, parse_tenant_weights
@@ -183,15 +183,17 @@ class FairPolicy(SchedulingPolicy):
     """Per-tenant fair share (tenant = the request's ``user``), accounted in tokens computed.
 
     The next slot goes to the waiting tenant with the least weighted service; a tenant that
-    was idle starts from the least service of the active ones (no banked credit), so one
-    tenant flooding the queue cannot starve another, and an idle one cannot burst forever.
+    was idle starts from the least service of the active ones (those with requests waiting
+    or running: no banked credit), so one tenant flooding the queue cannot starve another,
+    and an idle one cannot burst forever.
     """
 
     name = "fair"
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.weights = parse_tenant_weights(config.tenant_weights)
-        self._queues: dict[str, deque[Request]] = {}
+        self._queues: dict[str, deque[Request]] = {}  # tenants with requests waiting
+        self._live: Counter[str] = Counter()  # tenant -> its requests added, not finished
         self.served: dict[str, float] = {}  # tenant -> tokens computed / weight
 
     @staticmethod
@@ -201,7 +203,7 @@ class FairPolicy(SchedulingPolicy):
     def _queue_for(self, request: Request) -> deque[Request]:
         tenant = self.tenant(request)
         if tenant not in self._queues:
-            active = [self.served[t] for t in self._queues if t in self.served]
+            active = [self.served[t] for t in self._live if t in self.served]
             floor = min(active) if active else 0.0
             self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
             self._queues[tenant] = deque()
@@ -209,6 +211,13 @@ class FairPolicy(SchedulingPolicy):
 
     def add(self, request: Request) -> None:
         self._queue_for(request).append(request)
+        self._live[self.tenant(request)] += 1
+
+    def forget(self, request: Request) -> None:
+        tenant = self.tenant(request)
+        self._live[tenant] -= 1
+        if self._live[tenant] <= 0:
+            del self._live[tenant]
 
     def requeue(self, request: Request) -> None:
         self._queue_for(request).appendleft(request)
