@@ -154,6 +154,22 @@ def test_duplicate_registration_first_writer_wins_and_eviction_keeps_the_map_con
     pool.check_integrity()
 
 
+def test_a_duplicates_child_is_published_under_the_twin_lookups_reach() -> None:
+    """Two requests computed the same first block in one step (a and its duplicate b); b's
+    next block is registered after b. Lookups walk the published blocks (a), so b's child
+    must be reachable after a: otherwise no later prompt hits it, nor can publish its own."""
+    pool = BlockPool(4)
+    a, b, child = pool.allocate(3)
+    first = hash_block(None, [1, 2, 3, 4])
+    second = hash_block(first, [5, 6, 7, 8])
+    pool.register(a, first, None)
+    pool.register(b, first, None)  # the duplicate: a stays the published one
+    pool.register(child, second, b)
+    assert pool.lookup(first, None) == a
+    assert pool.lookup(second, a) == child
+    pool.check_integrity()
+
+
 def test_a_child_misses_once_its_parent_block_gets_new_content() -> None:
     """A hit needs the very parent block (and content generation) the child was registered
     after: reallocating the parent invalidates the child, even if the parent is then

@@ -110,6 +110,29 @@ def test_blocks_are_findable_only_once_their_tokens_are_computed() -> None:
     _all_free(kv)
 
 
+def test_requests_admitted_together_leave_their_shared_prefix_reachable() -> None:
+    """a and b share their first block and are admitted in one step (b computes a
+    duplicate of it); b's second block, unique then, must stay reachable: later prompts
+    with b's first two blocks hit both."""
+    kv = KVCacheManager(16, BS)
+    first, a_second, b_second = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    a, b = make_request("a", first + a_second + [99]), make_request("b", first + b_second + [99])
+    for request in (a, b):  # both allocated before either publishes (one step)
+        blocks, num_cached = kv.get_computed_blocks(request)
+        assert num_cached == 0 and kv.allocate_slots(request, request.num_tokens) is not None
+    for request in (a, b):
+        request.num_computed_tokens = request.num_tokens
+        kv.cache_computed_blocks(request)
+    kv.free(a)
+    kv.free(b)
+    for name in ("c", "d"):
+        later = make_request(name, first + b_second + [42, 43])
+        assert kv.get_computed_blocks(later)[1] == 2 * BS
+        _compute(kv, later)
+        kv.free(later)
+    _all_free(kv)
+
+
 def test_the_chain_matters_same_block_after_another_prefix_misses() -> None:
     kv = KVCacheManager(16, BS)
     _compute(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))

@@ -123,8 +123,23 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        block.parent = self._identity(parent_block)
+        block.parent = self._identity(self._published_twin(parent_block))
         self._cached.setdefault(block_hash.value, block_id)
+
+    def _published_twin(self, block_id: int | None) -> int | None:
+        """The block the hash map holds for ``block_id``'s prefix: ``block_id`` itself, or
+        the twin published before it when ``block_id`` is a duplicate (two requests computed
+        the same block in one step; first writer wins). A child is registered under the
+        published one, which lookups walk through: under the duplicate, no later prompt could
+        match it, nor register its own copy (its hash taken), until the child was evicted."""
+        if block_id is None or (own := self.blocks[block_id].block_hash) is None:
+            return block_id
+        twin = self._cached.get(own.value)
+        if twin is None or twin == block_id:
+            return block_id
+        other = self.blocks[twin]  # same tokens after the same parent: the same prefix
+        same = other.block_hash == own and other.parent == self.blocks[block_id].parent
+        return twin if same else block_id
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; a block reaching zero joins the free queue.
