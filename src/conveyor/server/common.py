@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -144,13 +145,19 @@ def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | N
 
 async def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
                  request_id: str, req: _SamplingFields) -> list[RequestStream]:
-    """Add one engine request per prompt; all or none (a failure aborts the ones added)."""
+    """Add one engine request per prompt; all or none (a failure aborts the ones added).
+
+    The engine's ids are ``request_id`` (the response's id, from the client's X-Request-Id
+    when it sent one), the prompt's index when there are several, and a random suffix, as
+    vLLM's are: a client may reuse its id (a retry while the first try is still ending, two
+    gateways' ids colliding) without either request failing.
+    """
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(ids, params, rid, req.priority,
-                                                          req.user))
+            streams.append(await state.engine.add_request(
+                ids, params, f"{rid}-{uuid.uuid4().hex[:8]}", req.priority, req.user))
     except BaseException:
         for stream in streams:
             stream.close()

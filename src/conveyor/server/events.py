@@ -106,8 +106,9 @@ class StepsEvent:
     tpot: Percentiles  # time per output token after the first (per request, its mean)
     block_map: BlockMap | None  # None when no step ran since the previous event
     # Requests that finished since the previous event, including those aborted between steps
-    # (a step's `finished` has only those that finished in it); ids of the API's requests,
-    # whose samples are "ID#i" in the steps when n > 1.
+    # (a step's `finished` has only those that finished in it); the engine's ids of the API's
+    # requests (the response's id, "-" and a random suffix), whose samples are "ID#i" in the
+    # steps when n > 1.
     ended: tuple[str, ...]
     num_subscribers: int  # streams open on /v1/engine/events, this one included
     type: str = "steps"
