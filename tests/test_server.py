@@ -6,6 +6,7 @@ One server per module (loading the model dominates); requests ask for few tokens
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -109,6 +110,17 @@ def test_stop_string(server: ServerProcess, client: openai.OpenAI):
     chunks = client.completions.create(model=server.model, prompt=PROMPT, stop=[stop],
                                        stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in chunks) == expected
+    # chat too, whole and streamed: the stop string that ended it is its stop_reason (vLLM's)
+    body = {"model": server.model, "messages": CHAT, "stop": [" "], "temperature": 0,
+            "max_tokens": 8, "ignore_eos": True}
+    whole = httpx.post(server.base_url + "/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["stop_reason"] == " "
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions",
+                      json={**body, "stream": True}) as response:
+        last = [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: {")][-1]
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert last["choices"][0]["stop_reason"] == " "
 
 
 def test_completion_logprobs(server: ServerProcess, client: openai.OpenAI):

@@ -301,6 +301,7 @@ class _ChoiceStream:
                                                     tool_calls=calls or None),
                                  logprobs=_logprobs(c, num_top),
                                  finish_reason=_finish_reason(c.finish_reason, self.made_calls,
-                                                              self.named))
+                                                              self.named),
+                                 stop_reason=c.stop_reason if finished else None)
         self.done = finished
         return choice
