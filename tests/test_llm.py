@@ -464,10 +464,14 @@ def test_token_budget_defaults_depend_on_usage() -> None:
         .max_num_batched_tokens == 4096
     assert EngineArgs(max_num_batched_tokens=100).scheduler_config(4096) \
         .max_num_batched_tokens == 100
+    # a derived budget leaves room for every running sequence's decode
+    assert EngineArgs(max_num_seqs=4096).scheduler_config(4096).max_num_batched_tokens == 4096
     parser = build_parser()
     assert server_engine_args(parser.parse_args(["serve"])).max_num_batched_tokens == 512
     explicit = parser.parse_args(["serve", "--max-num-batched-tokens", "100"])
     assert server_engine_args(explicit).max_num_batched_tokens == 100
+    many = parser.parse_args(["serve", "--max-num-seqs", "1024"])
+    assert server_engine_args(many).max_num_batched_tokens == 1024
     # `serve --no-enable-chunked-prefill` keeps the derived budget (a 512 one refused to start)
     unchunked = server_engine_args(parser.parse_args(["serve", "--no-enable-chunked-prefill"]))
     assert unchunked.scheduler_config(4096).max_num_batched_tokens == 4096

@@ -217,7 +217,7 @@ class SchedulerConfig:
     max_num_seqs: int = setting(64, "most sequences in one step")
     max_num_batched_tokens: int = setting(
         0, "token budget of one step (prefill chunks + decodes); 0: 2048 offline, 512 for "
-           "`conveyor serve`")
+           "`conveyor serve` (at least max_num_seqs)")
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
     policy: str = setting("fcfs", "admission order and preemption victims: fcfs, priority, "
                                   "fair")
@@ -265,9 +265,10 @@ class SchedulerConfig:
                  f"<= the model's context length ({model_max_len})", self.max_model_len)
         max_model_len = self.max_model_len or model_max_len
         budget = self.max_num_batched_tokens
-        if not budget:  # without chunking, a whole prompt must fit one step
-            budget = (OFFLINE_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
-                      else max(OFFLINE_MAX_NUM_BATCHED_TOKENS, max_model_len))
+        if not budget:  # every running sequence decodes each step; without chunking, a whole
+            # prompt must fit one step
+            budget = max(OFFLINE_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
+                         0 if self.enable_chunked_prefill else max_model_len)
         return dataclasses.replace(self, max_model_len=max_model_len,
                                    max_num_batched_tokens=budget)
 
@@ -484,8 +485,10 @@ class EngineArgs(StructuredOutputsConfig, SchedulerConfig, CacheConfig, Parallel
 
     def for_server(self) -> EngineArgs:
         """These arguments with `conveyor serve`'s token budget where none is given
-        (``SERVER_MAX_NUM_BATCHED_TOKENS``). Without chunked prefill a whole prompt must fit
+        (``SERVER_MAX_NUM_BATCHED_TOKENS``, or ``max_num_seqs`` when larger: every running
+        sequence decodes each step). Without chunked prefill a whole prompt must fit
         one step, so the budget stays derived from ``max_model_len``, as offline."""
         if self.max_num_batched_tokens or not self.enable_chunked_prefill:
             return self
-        return dataclasses.replace(self, max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)
+        return dataclasses.replace(self, max_num_batched_tokens=max(
+            SERVER_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs))
