@@ -182,8 +182,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_model(state, req.model)
     num_logprobs = _check_request(req)
     include_usage = stream_usage(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
+    max_tokens, max_tokens_param = (req.max_tokens, "max_tokens") \
+        if req.max_completion_tokens is None else \
+        (req.max_completion_tokens, "max_completion_tokens")
     plan = plan_tools(state, req)
     constraint = request_constraint(req)
     if plan.constraint is not None:
@@ -191,13 +192,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             raise bad_request(f"tool_choice {req.tool_choice!r} already constrains the output; "
                               f"drop {constraint.param}", constraint.param)
         constraint = plan.constraint
-    params = sampling_params(req, max_tokens, num_logprobs,
-                             constraint.params if constraint else None)
+    try:
+        params = sampling_params(req, max_tokens, num_logprobs,
+                                 constraint.params if constraint else None)
+    except ValueError as e:  # "max_tokens must be ...": name the field the request sent
+        if not str(e).startswith("max_tokens") or max_tokens_param == "max_tokens":
+            raise
+        raise bad_request(max_tokens_param + str(e).removeprefix("max_tokens"),
+                          max_tokens_param) from None
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
                                   req.chat_template_kwargs, plan.tools, req.continue_final_message)
-    check_context(state, len(ids), max_tokens, "messages")
+    check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     request_id = f"chatcmpl-{request_id_of(raw)}"
     streams = await submit(state, [ids], params, request_id, req)
     num_top = req.top_logprobs or 0

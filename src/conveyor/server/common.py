@@ -127,8 +127,9 @@ def stream_usage(req: _SamplingFields) -> bool:
 
 
 def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | None,
-                  prompt_param: str) -> None:
-    """OpenAI's (and vLLM's) context-length errors, in the wording clients parse."""
+                  prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
+    """OpenAI's (and vLLM's) context-length errors, in the wording clients parse; the
+    `param` names the fields the request sent."""
     limit = state.engine.max_model_len
     if num_input_tokens >= limit:
         raise bad_request(
@@ -140,7 +141,7 @@ def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | N
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
             f"maximum context length is {limit} tokens and your request has "
             f"{num_input_tokens} input tokens ({max_tokens} > {limit} - {num_input_tokens}).",
-            "max_tokens", "context_length_exceeded")
+            max_tokens_param, "context_length_exceeded")
 
 
 async def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,

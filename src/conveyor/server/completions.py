@@ -105,6 +105,8 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     for p in prompts:  # all of them before tokenizing any (see check_prompt_chars)
         if isinstance(p, str):
             engine.check_prompt_chars(p, "prompt")
+        else:  # (the engine would name its own argument, prompt_token_ids)
+            engine.check_token_ids(p, "prompt")
     encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in prompts])
     for _, ids in encoded:
         check_context(state, len(ids), req.max_tokens, "prompt")
