@@ -342,6 +342,18 @@ def test_tool_call_arguments_are_the_models_text_streamed_as_written() -> None:
     assert parser.parse(TEXTS[2]) == (TEXTS[2], [])
 
 
+def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:
+    """parallel_tool_calls=false with tool_choice "auto" (no grammar holds the model to one
+    call): the first call, whole and streamed, as OpenAI makes at most one."""
+    two = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
+          '<tool_call>\n{"name": "g", "arguments": {"x": 2}}\n</tool_call>'
+    assert [c.name for c in HermesToolParser().parse(two)[1]] == ["f", "g"]
+    single = HermesToolParser(parallel=False)
+    assert [(c.name, c.arguments) for c in single.parse(two)[1]] == [("f", '{"x": 1}')]
+    _, streamed, _ = _reassemble(single, two, list(range(1, len(two) + 1)))
+    assert [(name, arguments) for _, name, arguments in streamed] == [("f", '{"x": 1}')]
+
+
 def test_required_grammar_takes_parallel_calls_only_when_asked(llm) -> None:
     tools = [{"type": "function", "function": {"name": n, "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],

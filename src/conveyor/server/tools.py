@@ -117,6 +117,11 @@ class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
+    def __init__(self, parallel: bool = True) -> None:
+        # False (the request's parallel_tool_calls): only the first call counts, as OpenAI
+        # makes at most one (the text after it is neither content nor calls)
+        self.parallel = parallel
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content, calls) of a finished output: each block whose JSON names a function
         is a call (one the output ended in too: its arguments are cut short, as OpenAI's
@@ -138,8 +143,9 @@ class HermesToolParser:
             body = text[open_at + len(self.start):]
             bodies.append(body if finished else body[:len(body) - _partial_tag(body, self.end)])
         scanned = (scan_call(body) for body in bodies)
-        return [ParsedToolCall(name, arguments) for name, arguments in scanned
-                if name is not None]
+        calls = [ParsedToolCall(name, arguments) for name, arguments in scanned
+                 if name is not None]
+        return calls if self.parallel else calls[:1]
 
     def streamable_content(self, text: str) -> str:
         """The prefix of a growing text that is content whatever comes next: up to the
@@ -185,10 +191,10 @@ class HermesToolParser:
 TOOL_PARSERS = {"hermes": HermesToolParser}
 
 
-def get_tool_parser(name: str | None) -> HermesToolParser:
+def get_tool_parser(name: str | None, parallel: bool = True) -> HermesToolParser:
     """The parser named by --tool-call-parser (hermes when none is set: the format that
-    required / named tool_choice grammars produce)."""
-    return TOOL_PARSERS[name or "hermes"]()
+    required / named tool_choice grammars produce); ``parallel``: parallel_tool_calls."""
+    return TOOL_PARSERS[name or "hermes"](parallel)
 
 
 def template_supports_tools(source: str | None) -> bool:
