@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -277,6 +278,25 @@ def test_step_trace_shows_requests_a_stop_string_ended(tiny_llama_dir, kv_free) 
     trace = (llm.engine.step_trace or [])[first:]
     assert [step.finished for step in trace if step.finished] == [(out.request_id,)]
     assert trace[-1].kv_blocks_used == 0
+    kv_free(llm)
+
+
+def test_generation_config_eos_ids_end_generation(tiny_llama_dir, tmp_path, kv_free) -> None:
+    """EOS ids that only generation_config.json lists (Llama 3's <|eot_id|> beside the
+    tokenizer's <|end_of_text|>) stop generation too, as in vLLM and transformers."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
+    ids = llm.generate("the sea sky", params)[0].outputs[0].token_ids
+    tokenizer_eos = llm.engine.tokenizer.eos_token_ids
+    eos = next(t for t in ids[2:] if t not in ids[:2] and t not in tokenizer_eos)
+    shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = tmp_path / "model" / "generation_config.json"
+    base = json.loads(config.read_text()) if config.exists() else {}
+    config.write_text(json.dumps({**base, "eos_token_id": [eos]}))
+    llm = LLM(model=str(tmp_path / "model"), dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
+    (out,) = llm.generate("the sea sky", params.replace(ignore_eos=False))
+    assert out.outputs[0].token_ids == ids[:ids.index(eos) + 1]
+    assert out.outputs[0].finish_reason == "stop"
     kv_free(llm)
 
 

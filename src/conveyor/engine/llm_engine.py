@@ -69,6 +69,9 @@ class LLMEngine:
         checkpoint = load_checkpoint(args.model, args.load_format, args.tokenizer)
         self.model_config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
+        if self.tokenizer is not None:  # the model's too: generation_config.json lists Llama
+            # 3's <|eot_id|> beside the tokenizer's <|end_of_text|> (vLLM stops on both)
+            self.tokenizer.add_eos_token_ids(self.model_config.eos_token_ids)
         self.model_name = args.served_model_name or served_name(args.model, checkpoint.path)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -279,8 +282,8 @@ class LLMEngine:
         if params.bad_words:
             params = params.replace(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.compile_grammar(params)
-        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
-        eos = tuple(eos) or self.model_config.eos_token_ids
+        eos = self.model_config.eos_token_ids if self.tokenizer is None \
+            else self.tokenizer.eos_token_ids
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i

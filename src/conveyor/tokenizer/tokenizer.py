@@ -148,8 +148,9 @@ class Tokenizer:
         self._tok = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
-        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.eos_token_id: int | None = None
+        self.add_eos_token_ids(eos_token_ids)
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
@@ -234,6 +235,11 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
+
+    def add_eos_token_ids(self, ids: Sequence[int]) -> None:
+        """Also end generation on ``ids`` (the model config's, generation_config.json's)."""
+        self.eos_token_ids = tuple(dict.fromkeys((*self.eos_token_ids, *ids)))
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True, *,
                field: str = "text") -> list[int]:
