@@ -88,6 +88,30 @@ def test_filters_that_keep_one_token_equal_greedy(tiny_llm, greedy_ids, kwargs,
     kv_free(tiny_llm)
 
 
+def test_min_p_judges_the_tempered_distribution_before_top_k_and_top_p() -> None:
+    """vLLM's order: temperature, min-p, then top-k and top-p on what min-p left. Probabilities
+    .5/.3/.15/.05 with min_p 0.2 keep three tokens (.05 < .2 x .5); top_p 0.82 on those
+    (renormalized: .53/.32/.16) keeps two. Top-p first would keep three."""
+    from conveyor.runner.sampler import Sampler, SamplingState
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    state = SamplingState(SamplingParams(temperature=1.0, min_p=0.2, top_p=0.82), [1], [], None)
+    probs = Sampler(torch.device("cpu"))._probs(logits, [state])
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(probs[0, :2], torch.tensor([0.625, 0.375]))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40])
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny_llm, greedy_ids, temperature,
+                                                        kv_free) -> None:
+    """Below 1e-5 (vLLM's rule) a request decodes greedily: logits / 1e-40 overflow to inf,
+    and the NaNs of their softmax sampled token 0 every time."""
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3)
+    assert params.greedy
+    assert _ids(tiny_llm, PROMPT, params) == greedy_ids
+    kv_free(tiny_llm)
+
+
 def test_logit_bias_and_allowed_token_ids(tiny_llm, greedy_ids, others, kv_free) -> None:
     """OpenAI's logit_bias and vLLM's allowed_token_ids, greedy and sampled, alone and in a
     batch with requests that use neither (whose tokens do not change)."""

@@ -161,6 +161,22 @@ def test_completions_regex_choice_and_aliases(server: ServerProcess, client: ope
         assert out.choices[0].finish_reason == "length"
 
 
+def test_logprobs_of_tokens_a_grammar_rules_out_are_numbers(server: ServerProcess):
+    """Two choices leave fewer allowed tokens than top_logprobs asks for: the rest have
+    -inf, which JSON cannot carry; they come as -9999.0 (vLLM's floor), not null."""
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    chat = _chat(server, max_tokens=3, logprobs=True, top_logprobs=5, **choice).json()
+    entries = chat["choices"][0]["logprobs"]["content"]
+    values = [e["logprob"] for e in entries] + \
+        [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    body = {"model": server.model, "prompt": "Is water wet? Answer:", "max_tokens": 3,
+            "temperature": 0, "logprobs": 5, **choice}
+    text = httpx.post(server.base_url + "/v1/completions", json=body, timeout=600).json()
+    values += [v for top in text["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()]
+    assert all(isinstance(v, float) and v >= -9999.0 for v in values), values
+    assert -9999.0 in values  # some were ruled out
+
+
 def test_length_mid_structure_is_length(server: ServerProcess):
     r = _chat(server, max_tokens=3, response_format={
         "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["nested"]}})

@@ -13,6 +13,9 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 # torch generators take seeds below 2**64; sample i of n uses seed + i.
 MAX_SEED = 2**63 - 1
+# Below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS): logits / 1e-40
+# overflow to inf, and the softmax of that is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(cond: bool, message: str) -> None:
@@ -86,7 +89,7 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     """Sampling and stopping parameters for one request.
 
-    ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples reproducible
+    ``temperature=0`` (or below ``GREEDY_TEMPERATURE``) is greedy decoding. ``seed`` makes a request's samples reproducible
     whatever else shares its batch. ``stop`` strings are not included in the output text.
     ``min_tokens`` holds back EOS, ``stop_token_ids`` and stop strings (one may begin in the
     first ``min_tokens`` tokens and end after them), as vLLM does.
@@ -225,7 +228,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """temperature 0, or so close to it that sampling would divide by ~0 (vLLM's rule)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

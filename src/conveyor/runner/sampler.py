@@ -242,20 +242,21 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     def _probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """The distributions the rows sample from: temperature, top-k, top-p, min-p."""
+        """The distributions the rows sample from: temperature, min-p, top-k, top-p (vLLM's
+        order: min-p judges the tempered distribution, top-p what min-p and top-k left)."""
         device = logits.device
         temps = upload([s.params.temperature for s in states], device, torch.float32)
         logits = logits / temps.unsqueeze(1)
+        if any(s.params.min_p > 0 for s in states):
+            min_p = upload([s.params.min_p for s in states], device, torch.float32)
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(s.params.top_k > 0 for s in states):
             logits = _top_k(logits, [s.params.top_k for s in states])
         if any(s.params.top_p < 1 for s in states):
             logits = _top_p(logits, upload([s.params.top_p for s in states], device, torch.float32))
-        probs = torch.softmax(logits, dim=-1)
-        if any(s.params.min_p > 0 for s in states):
-            min_p = upload([s.params.min_p for s in states], device, torch.float32)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+        return torch.softmax(logits, dim=-1)
 
 
 def _race(probs: torch.Tensor, generator: torch.Generator) -> int:

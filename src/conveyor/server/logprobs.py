@@ -13,6 +13,13 @@ from conveyor.server.protocol import (
 )
 
 TokenLogprobs = dict[int, Logprob]
+# The lowest logprob a response carries, as vLLM's: a token a grammar or allowed_token_ids
+# rules out has -inf, which JSON cannot hold (it would go out as null, not a number).
+MIN_LOGPROB = -9999.0
+
+
+def _value(logprob: Logprob) -> float:
+    return max(logprob.logprob, MIN_LOGPROB)
 
 
 def _token_text(token_id: int, logprob: Logprob) -> str:
@@ -28,11 +35,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
         sampled = candidates[token_id]
         text = _token_text(token_id, sampled)
         result.tokens.append(text)
-        result.token_logprobs.append(sampled.logprob)
+        result.token_logprobs.append(_value(sampled))
         result.text_offset.append(text_offset)
         text_offset += len(text)
         ranked = sorted(candidates.items(), key=lambda item: item[1].rank)
-        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in ranked})
+        result.top_logprobs.append({_token_text(t, lp): _value(lp) for t, lp in ranked})
     return result
 
 
@@ -46,8 +53,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
         top = sorted(((t, lp) for t, lp in candidates.items() if lp.rank <= num_top),
                      key=lambda item: item[1].rank)[:num_top]
         content.append(ChatTokenLogprob(
-            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=lp.logprob,
+            token=text, logprob=_value(sampled), bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=_value(lp),
                                      bytes=list(_token_text(t, lp).encode("utf-8")))
                           for t, lp in top]))
     return ChatLogprobs(content=content)
@@ -59,6 +66,6 @@ def prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> PromptLogprob
     if entries is None:
         return None
     return [None if e is None else
-            {str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+            {str(t): PromptLogprob(logprob=_value(lp), rank=lp.rank,
                                    decoded_token=lp.decoded_token) for t, lp in e.items()}
             for e in entries]
