@@ -331,3 +331,31 @@ def test_forced_drafts_are_not_the_draft_models() -> None:
                                                            for s in verifies)
     assert h.sched.stats.num_forced_draft_tokens == sum(len(s.spec_token_ids)
                                                         for s in verifies)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_drafts_take_only_what_admission_left(preemption: str) -> None:
+    """An urgent request arrives needing every free block just as a running one could draft
+    across a block boundary: it is admitted beside it, nobody preempted (drafts were placed
+    first and the priority policy displaced their owner to make room for it)."""
+    from conveyor.core.kv_cache_manager import KVCacheManager
+    from conveyor.core.scheduler import Scheduler
+    from core_helpers import Harness, SwapFakeRunner, make_policy_request, scheduler_config
+
+    cycle = list(range(10, 18))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_max=4,
+                             prompt_lookup_min=2, adaptive=False)
+    kv = KVCacheManager(12, 4, True, 40)
+    sched = Scheduler(scheduler_config(policy="priority", preemption=preemption), kv,
+                      speculative=spec)
+    h = Harness(sched, SwapFakeRunner(12, 4, lambda rid, i: cycle[i % 8] if rid == "a"
+                                      else 700 + i, 40))
+    h.add(make_policy_request("a", cycle * 2, 30, priority=5))
+    h.step()  # a's prompt: 4 blocks, 8 free; its next decode could draft 8 tokens (2 blocks)
+    h.add(make_policy_request("b", list(range(100, 124)), 2, priority=0))  # 24 tokens: 6
+    out = h.step()
+    assert {s.request_id for s in out.scheduled} == {"a", "b"} and not out.preempted_request_ids
+    h.run()
+    assert sched.stats.num_preemptions == 0
+    assert sched.spec is not None and sched.spec.stats.num_draft_tokens > 0  # a still drafts
+    assert_no_leak(sched)

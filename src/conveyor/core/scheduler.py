@@ -151,11 +151,13 @@ class Scheduler:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.policy)
         self._schedule_running(step)
         self._forced_verifies = set()
+        if not step.preempted:
+            self._schedule_waiting(step)
+        # Drafts last, from the blocks and budget admission left: a draft never costs a
+        # waiting request its admission or a running one its place.
         if (self.spec is not None or self._forced) and not step.preempted \
                 and not self.config.async_scheduling:
             self._schedule_drafts(step)
-        if not step.preempted:
-            self._schedule_waiting(step)
         self._step_id += 1
         self.stats.num_steps += 1
         self._record_peak(step)
