@@ -300,6 +300,19 @@ def test_generation_config_eos_ids_end_generation(tiny_llama_dir, tmp_path, kv_f
     kv_free(llm)
 
 
+def test_samples_waiting_for_the_first_ones_prefill_count_as_waiting(tiny_llm,
+                                                                     kv_free) -> None:
+    """n > 1: samples 2..n join once sample 1 computed the prompt; until then they wait, and
+    the stats (the server's back-pressure, its num_requests_waiting) count them."""
+    engine = tiny_llm.engine
+    engine.add_request("one two three", SamplingParams(n=4, max_tokens=2, seed=1))
+    assert engine.stats().num_requests_waiting == 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_requests_waiting == 0
+    kv_free(tiny_llm)
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 def _still_serves(llm: LLM) -> None:

@@ -196,7 +196,10 @@ class LLMEngine:
             num_preemptions=sched.stats.num_preemptions,
             num_preempted_tokens=sched.stats.num_preempted_tokens,
             num_requests_running=sched.num_running,
-            num_requests_waiting=sched.num_waiting,
+            # (samples 2..n waiting for sample 1's prefill too: the server's back-pressure
+            # counts them, as vLLM's scheduler holds all n)
+            num_requests_waiting=sched.num_waiting + sum(len(g.pending)
+                                                         for g in self.groups.values()),
             num_steps=sched.stats.num_steps,
             num_swapped_blocks=sched.stats.num_swapped_blocks,
             peak_num_requests_running=sched.stats.peak_running,

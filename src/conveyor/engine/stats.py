@@ -26,7 +26,7 @@ class EngineStats:
     num_preemptions: int  # requests preempted (recompute or swap)
     num_preempted_tokens: int  # computed tokens thrown away by recompute preemption
     num_requests_running: int  # sequences running now
-    num_requests_waiting: int  # sequences waiting now (new or preempted)
+    num_requests_waiting: int  # sequences waiting now (new, preempted, samples 2..n of n > 1)
     num_steps: int  # steps scheduled
     num_swapped_blocks: int  # blocks copied to host memory by swap preemption
     peak_num_requests_running: int  # most sequences running in one step
