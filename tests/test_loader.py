@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import gguf
@@ -134,9 +135,11 @@ def test_safetensors_folder_matches_model(tmp_path, arch: str, tie: bool) -> Non
 
 
 def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: bool,
-                qtype: gguf.GGMLQuantizationType | None = None) -> None:
+                qtype: gguf.GGMLQuantizationType | None = None,
+                rope_freqs: np.ndarray | None = None) -> None:
     """A float32 GGUF the way convert_hf_to_gguf.py lays it out (llama: q/k permuted); with
-    ``qtype``, its matrices quantized to that block type."""
+    ``qtype``, its matrices quantized to that block type; with ``rope_freqs``, that tensor
+    (Llama 3.1's scaling, as the converter writes it)."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -171,6 +174,8 @@ def _write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], permute: b
                               raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -189,6 +194,42 @@ def test_written_gguf_round_trips(tmp_path, arch: str, permute: bool) -> None:
     assert set(got) == set(state)
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
+
+
+def test_llama3_rope_frequencies_of_a_gguf_match_its_hf_config(tmp_path) -> None:
+    """convert_hf_to_gguf.py writes Llama 3.1/3.2's rope scaling (rope_type llama3) as a
+    rope_freqs.weight tensor of per-frequency factors and no rope.scaling.* key: the GGUF's
+    rotary table must be the HF config's, not plain RoPE's."""
+    from conveyor.model.layers import RotaryEmbedding
+
+    head_dim, theta, factor, old_len = 16, 5e5, 8.0, 64
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": old_len}
+    factors = []  # as LlamaModel.generate_extra_tensors computes them
+    for freq in (1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)).tolist():
+        wavelen = 2 * math.pi / freq
+        smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
+        factors.append(1.0 if wavelen < old_len / 4.0 else factor if wavelen > old_len
+                       else 1 / ((1 - smooth) / factor + smooth))
+    path = str(tmp_path / "tiny.gguf")
+    state = _tiny_model("llama", tie=False).state_dict()
+    _write_gguf(path, "llama", state, True, rope_freqs=np.array(factors, dtype=np.float32))
+    ckpt = load_checkpoint(path, tokenizer=hf_tokenizer_folder())
+    assert set(dict(ckpt.tensors())) == set(state)  # the factors are no parameter
+    config = ckpt.config
+    table = RotaryEmbedding(head_dim, 512, config.rope_theta, config.rope_scaling_dict).cos_sin
+    torch.testing.assert_close(table, RotaryEmbedding(head_dim, 512, theta, scaling).cos_sin,
+                               rtol=0, atol=1e-4)
+    assert not torch.allclose(table, RotaryEmbedding(head_dim, 512, theta, None).cos_sin,
+                              atol=1e-2)
+    from conveyor import LLM, SamplingParams  # (the model is built on the meta device)
+
+    llm = LLM(model=path, tokenizer=hf_tokenizer_folder(), dtype="float32",
+              kv_cache_memory="4MiB", max_model_len=512)
+    rotary = next(m for m in llm.engine.runner.model.modules() if isinstance(m, RotaryEmbedding))
+    torch.testing.assert_close(rotary.cos_sin, table, rtol=0, atol=0)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))
+    assert len(out.outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q8_0")])

@@ -38,9 +38,11 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp stores that have no HF parameter (llama3 rope frequencies are recomputed
-# from the config).
-_SKIPPED = ("rope_freqs.weight",)
+# Tensors llama.cpp stores that have no HF parameter: Llama 3.1/3.2's RoPE frequency factors
+# (llama3 scaling, which convert_hf_to_gguf.py writes as this tensor and no rope.scaling.*
+# key) go into the config instead (_rope_scaling).
+ROPE_FREQS = "rope_freqs.weight"
+_SKIPPED = (ROPE_FREQS,)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -78,15 +80,20 @@ def gguf_architecture(reader: GGUFReader) -> str:
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> tuple[tuple[str, Any], ...] | None:
+    """The rope.scaling.* keys, and the frequency factors of a ``rope_freqs.weight`` tensor
+    (each rotary frequency divided by its factor, as llama.cpp's ggml_rope_ext does)."""
+    scaling: dict[str, Any] = {}
     rope_type = gguf_value(reader, f"{arch}.rope.scaling.type")
     factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
-    if rope_type in (None, "none") or factor is None:
-        return None
-    scaling: dict[str, Any] = {"rope_type": str(rope_type), "factor": float(factor)}
-    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return tuple(sorted(scaling.items()))
+    if rope_type not in (None, "none") and factor is not None:
+        scaling = {"rope_type": str(rope_type), "factor": float(factor)}
+        original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        scaling["freq_factors"] = tuple(float(f) for f in np.asarray(freqs.data).reshape(-1))
+    return tuple(sorted(scaling.items())) or None
 
 
 def gguf_model_config(reader: GGUFReader) -> ModelConfig:

@@ -236,6 +236,11 @@ class RotaryEmbedding(nn.Module):
         elif rope_type not in (None, "default"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported "
                              "(supported: default, linear, llama3)")
+        if factors := (scaling or {}).get("freq_factors"):  # a GGUF's rope_freqs tensor
+            if len(factors) != len(inv_freq):
+                raise ValueError(f"rope_freqs has {len(factors)} factors for "
+                                 f"{len(inv_freq)} rotary frequencies")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
                             inv_freq)
         # cos_sin: [max_positions, head_dim] = cos | sin halves
