@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from conftest_models import default_gguf, hf_gguf_tokenizer, hf_tokenizer_folder
@@ -115,13 +118,39 @@ def test_chat_template_errors(tok: Tokenizer) -> None:
         bare.apply_chat_template([{"role": "user", "content": "x"}])
 
 
-def test_from_hf_folder_matches_gguf(tok: Tokenizer) -> None:
+def test_from_hf_folder_matches_gguf(tok: Tokenizer, tmp_path) -> None:
     hf_folder_tok = Tokenizer.from_hf(hf_tokenizer_folder())
     for text in TEXTS:
         assert hf_folder_tok.encode(text) == tok.encode(text)
     assert hf_folder_tok.vocab_size == tok.vocab_size
     assert hf_folder_tok.chat_template == tok.chat_template
     assert hf_folder_tok.eos_token_id == 2
+    # chat_template.jinja wins over tokenizer_config.json's template, as in transformers
+    shutil.copytree(hf_tokenizer_folder(), tmp_path / "tok")
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    old = json.loads(config.read_text()) if config.exists() else {}
+    config.write_text(json.dumps({**old, "chat_template": "OLD {{ messages[0]['content'] }}"}))
+    (tmp_path / "tok" / "chat_template.jinja").write_text("NEW {{ messages[0]['content'] }}")
+    assert Tokenizer.from_hf(str(tmp_path / "tok")).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=False) == "NEW hi"
+
+
+def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path) -> None:
+    """A pre-tokenizer regex conveyor does not know (Mistral Nemo's tekken) is refused, naming
+    the key and the way out, not replaced by GPT-2's regex (text split otherwise)."""
+    import gguf
+
+    path = str(tmp_path / "tok.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("tekken")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'tekken' .*--tokenizer"):
+        Tokenizer.from_gguf(path)
 
 
 def _stream(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:

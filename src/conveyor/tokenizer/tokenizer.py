@@ -30,6 +30,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral")
 _QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "megrez")
 _DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit
+_GPT2_PRES = (None, "default", "gpt2", "gpt-2")  # GPT-2's regex itself (None: no key)
 
 
 @lru_cache(maxsize=1)
@@ -58,7 +59,13 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_PRES:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    return gpt2  # "gpt2", "default" and unknown names: GPT-2's regex
+    if pre not in _GPT2_PRES:  # another regex (Mistral Nemo's tekken, DeepSeek's, ...): GPT-2's
+        # would split text otherwise than the model was trained on, silently (llama.cpp refuses)
+        known = sorted(p for p in (*_GPT2_PRES, *_LLAMA3_PRES, *_QWEN2_PRES, *_DIGIT_PRES) if p)
+        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
+                         f"{', '.join(known)}); pass the model's tokenizer.json folder as "
+                         "tokenizer (--tokenizer)")
+    return gpt2
 
 
 def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
@@ -215,7 +222,8 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         jinja_path = os.path.join(folder, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):  # first, as transformers reads it (a fix often lands
+            # there while tokenizer_config.json keeps the old template)
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         bos, eos = _token_content(config.get("bos_token")), _token_content(config.get("eos_token"))
