@@ -272,6 +272,22 @@ def test_quantized_gguf_decodes_from_its_blocks(tmp_path, arch: str, qtype: str)
 
 # --- dummy loads and errors -----------------------------------------------------------------
 
+def test_a_sliding_window_caps_the_context() -> None:
+    """Mistral 7B v0.1 attends within 4096 tokens of its 32768: conveyor's layers attend to
+    the whole context, so the context stops at the window (longer prompts are refused, not
+    answered otherwise than transformers would); Qwen's window counts only when used."""
+    from conveyor.model.hf_loader import hf_model_config
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100,
+            "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 512}
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8}
+    assert hf_model_config({**mistral, "sliding_window": 8}).max_position_embeddings == 8
+    assert hf_model_config({**mistral, "sliding_window": None}).max_position_embeddings == 512
+    assert hf_model_config({**qwen, "use_sliding_window": False}).max_position_embeddings == 512
+    assert hf_model_config({**qwen, "use_sliding_window": True}).max_position_embeddings == 8
+
+
 def test_dummy_loads_config_only(tmp_path) -> None:
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **TINY,
               "head_dim": 32, "eos_token_id": 2}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,8 @@ from safetensors import safe_open
 
 from conveyor.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from conveyor.model.parallel import ShardPlan, pad_to, take
+
+logger = logging.getLogger(__name__)
 
 # HF `architectures` class names -> our architecture names.
 HF_ARCHITECTURES = {
@@ -81,6 +84,20 @@ def _rope_theta(config: dict[str, Any]) -> float:
     return 10000.0
 
 
+def _context_length(config: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at a sliding attention window (Mistral 7B v0.1's 4096
+    of 32768; Qwen's only with use_sliding_window): every layer here attends to the whole
+    context, which past the window is not the model transformers and vLLM run."""
+    length = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", True)  # (Qwen2/3 set it False)
+    if isinstance(window, int) and 0 < window < length and uses_window:
+        logger.warning("sliding_window=%d: the context is capped at %d tokens (of %d; "
+                       "sliding-window attention is not implemented)", window, window, length)
+        return window
+    return length
+
+
 def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | None = None
                     ) -> ModelConfig:
     """A ModelConfig from a parsed config.json (and generation_config.json, for eos ids)."""
@@ -103,7 +120,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(config),
         rope_scaling=_rope_scaling(config),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_context_length(config),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
         qk_norm=architecture == "qwen3",
