@@ -135,6 +135,37 @@ def test_from_hf_folder_matches_gguf(tok: Tokenizer, tmp_path) -> None:
         [{"role": "user", "content": "hi"}], add_generation_prompt=False) == "NEW hi"
 
 
+def test_gguf_control_tokens_outside_the_byte_alphabet_keep_their_ids(tmp_path) -> None:
+    """DeepSeek-R1-Distill-Qwen's control tokens ("<｜User｜>", fullwidth bars) are stored as
+    written: matched in the text under their own ids, as llama.cpp does, not respelled in
+    the byte alphabet and added again past the vocabulary."""
+    import gguf
+
+    from conveyor.tokenizer.tokenizer import TOKEN_TYPE_CONTROL, _bytes_to_unicode
+
+    byte_chars = list(_bytes_to_unicode().values())
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>"]
+    path = str(tmp_path / "tok.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("deepseek-r1-qwen")
+    writer.add_token_list(byte_chars + specials)
+    writer.add_token_types([1] * len(byte_chars) + [TOKEN_TYPE_CONTROL] * len(specials))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(len(byte_chars))
+    writer.add_eos_token_id(len(byte_chars) + 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    tok = Tokenizer.from_gguf(path)
+    assert tok.vocab_size == len(byte_chars) + len(specials)
+    user = len(byte_chars) + 2
+    ids = tok.encode("<｜User｜>hi", add_special_tokens=False)
+    assert ids == [user, byte_chars.index("h"), byte_chars.index("i")]
+    assert tok.bos_token == specials[0] and tok.eos_token_id == user - 1
+    assert tok.decode([*ids, user - 1]) == "hi"
+
+
 def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path) -> None:
     """A pre-tokenizer regex conveyor does not know (Mistral Nemo's tekken) is refused, naming
     the key and the way out, not replaced by GPT-2's regex (text split otherwise)."""

@@ -76,11 +76,18 @@ def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _byte_level_model(tokens: list[str], merges: list[str], pre: str | None) -> RustTokenizer:
+def _byte_level_model(tokens: list[str], merges: list[str], pre: str | None,
+                      types: list[int]) -> RustTokenizer:
     alphabet = set(_bytes_to_unicode().values())
     spelling = _bytes_to_unicode()
     # A few converters store a token in plain UTF-8 rather than the byte alphabet; respell it.
-    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
+    # Not a control or user-defined one: those are matched in the text as written (added
+    # tokens: DeepSeek-R1's "<｜User｜>"), and respelled here they would be added again under
+    # new ids past the vocabulary.
+    kept = {i for i, kind in enumerate(types) if kind in (TOKEN_TYPE_CONTROL,
+                                                          TOKEN_TYPE_USER_DEFINED)}
+    vocab = {tok if set(tok) <= alphabet or i in kept
+             else "".join(spelling[b] for b in tok.encode()): i
              for i, tok in enumerate(tokens)}
     pairs = _merge_pairs(merges)
     # llama.cpp (and Llama 3's tokenizer.json) take a whole pre-token that is in the vocab as is.
@@ -178,9 +185,10 @@ class Tokenizer:
             raise ValueError("this GGUF file has no tokenizer (tokenizer.ggml.tokens)")
         kind = _field(reader, "tokenizer.ggml.model")
         unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+        types = list(_field(reader, "tokenizer.ggml.token_type") or [])
         if kind == "gpt2":
             backend = _byte_level_model(tokens, list(_field(reader, "tokenizer.ggml.merges", [])),
-                                        _field(reader, "tokenizer.ggml.pre"))
+                                        _field(reader, "tokenizer.ggml.pre"), types)
             add_bos_default = False
         elif kind == "llama":
             backend = _sentencepiece_model(
@@ -190,7 +198,6 @@ class Tokenizer:
             add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
         else:
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2, llama")
-        types = list(_field(reader, "tokenizer.ggml.token_type") or [])
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t, kind_ in zip(tokens, types, strict=False)
                                     if kind_ == TOKEN_TYPE_CONTROL])
