@@ -154,6 +154,7 @@ def test_gguf_control_tokens_outside_the_byte_alphabet_keep_their_ids(tmp_path) 
     writer.add_token_merges([])
     writer.add_bos_token_id(len(byte_chars))
     writer.add_eos_token_id(len(byte_chars) + 1)
+    writer.add_eom_token_id(byte_chars.index("!"))  # (end of message ends generation too)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
@@ -162,7 +163,7 @@ def test_gguf_control_tokens_outside_the_byte_alphabet_keep_their_ids(tmp_path) 
     user = len(byte_chars) + 2
     ids = tok.encode("<｜User｜>hi", add_special_tokens=False)
     assert ids == [user, byte_chars.index("h"), byte_chars.index("i")]
-    assert tok.bos_token == specials[0] and tok.eos_token_id == user - 1
+    assert tok.bos_token == specials[0] and tok.eos_token_ids == (user - 1, 0)
     assert tok.decode([*ids, user - 1]) == "hi"
 
 

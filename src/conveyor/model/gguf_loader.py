@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 from conveyor.config import ModelConfig
 from conveyor.model.hf_loader import unsupported_architecture
 from conveyor.model.parallel import ShardPlan, Slice, pad_to, take
+from conveyor.tokenizer.tokenizer import GGUF_END_TOKENS
 
 # GGUF `general.architecture` values we load (mistral files say "llama").
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -111,7 +112,7 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     else:
         vocab_size = int(key("vocab_size") or _tensor_shape(reader, "token_embd.weight")[0])
     tensor_names = {t.name for t in reader.tensors}
-    eos_ids = [gguf_value(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
+    eos_ids = [gguf_value(reader, f"tokenizer.ggml.{name}_token_id") for name in GGUF_END_TOKENS]
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab_size,

@@ -20,6 +20,9 @@ from conveyor.tokenizer.chat_template import open_final_message, render_chat_tem
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
+# The GGUF token ids that end generation (llama.cpp's end-of-generation tokens): end of text,
+# of turn, of message (Llama 3.1's <|eom_id|>, after a tool call)
+GGUF_END_TOKENS = ("eos", "eot", "eom")
 TOKEN_TYPE_USER_DEFINED = 4
 
 # Pre-tokenizer splits, as llama.cpp's llama-vocab.cpp (and the models' own tokenizer.json) do.
@@ -204,7 +207,7 @@ class Tokenizer:
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
                             for t, kind_ in zip(tokens, types, strict=False)
                             if kind_ == TOKEN_TYPE_USER_DEFINED])
-        eos = [_field(reader, f"tokenizer.ggml.{n}_token_id") for n in ("eos", "eot")]
+        eos = [_field(reader, f"tokenizer.ggml.{n}_token_id") for n in GGUF_END_TOKENS]
         return cls(backend,
                    bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
                    eos_token_ids=[int(i) for i in eos if i is not None],
