@@ -89,8 +89,9 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     """Sampling and stopping parameters for one request.
 
-    ``temperature=0`` (or below ``GREEDY_TEMPERATURE``) is greedy decoding. ``seed`` makes a request's samples reproducible
-    whatever else shares its batch. ``stop`` strings are not included in the output text.
+    ``temperature=0`` (or below ``GREEDY_TEMPERATURE``) is greedy decoding. ``seed`` makes a
+    request's samples reproducible whatever else shares its batch. ``stop`` strings are not
+    included in the output text.
     ``min_tokens`` holds back EOS, ``stop_token_ids`` and stop strings (one may begin in the
     first ``min_tokens`` tokens and end after them), as vLLM does.
     """
