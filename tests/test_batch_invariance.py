@@ -114,3 +114,28 @@ def test_recompute_preemption_keeps_the_outputs(reference, kv_free) -> None:
     assert _tokens(llm, PROMPTS) == alone
     assert llm.stats().num_preemptions > 0
     kv_free(llm)
+
+
+def test_a_head_dim_the_prefill_kernel_does_not_take_stays_batch_invariant(tiny_llama_dir,
+                                                                           kv_free) -> None:
+    """The tiny model's head_dim of 16 is no multiple of the prefill attention kernel's 32:
+    its prefill rows attend as decodes (as float32's do), not through SDPA, whose result for a
+    row depends on its chunk: a prompt computed whole in a batch, and again alone after a
+    prefix-cache hit on its own blocks (its last token a one-row chunk), gives the same bits."""
+    import random
+
+    llm = LLM(model=str(tiny_llama_dir), kv_cache_memory=1 << 22, max_model_len=256)
+    if llm.engine.dtype != torch.bfloat16 or not llm.engine.runner.model.backend \
+            .prefill_attention_kernel:
+        pytest.skip("the bf16 prefill attention kernel needs a CPU with AVX512-BF16 or AMX")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(5, 60))]}
+               for _ in range(12)]
+    params = PARAMS.replace(max_tokens=8)
+    batched = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for prompt, together in zip(prompts, batched, strict=True):
+        (alone,) = llm.generate([prompt], params)
+        assert alone.num_cached_tokens > 0 or len(prompt["prompt_token_ids"]) < 16
+        assert alone.outputs[0].token_ids == together.token_ids
+        assert alone.outputs[0].logprobs == together.logprobs
+    kv_free(llm)

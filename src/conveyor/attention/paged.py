@@ -49,7 +49,10 @@ def paged_attention(ops: OpsBackend, q: torch.Tensor, k: torch.Tensor, v: torch.
     if nd:
         out[:nd] = _decode(ops, q[:nd], kv_cache, meta, scale)
     kernel = _kernel_prefill(ops, q)
-    rows_as_decodes = ops.prefill_rows_as_decodes
+    # (a head_dim the kernel does not take: SDPA would make a row's result depend on its
+    # chunk where the kernel would not, so the rows attend as decodes instead)
+    rows_as_decodes = ops.prefill_rows_as_decodes or (ops.prefill_attention_kernel
+                                                      and not kernel)
     for chunk in meta.prefills:
         prompt = 0 if rows_as_decodes else chunk.query_len - chunk.generated_rows
         rows = slice(chunk.query_start, chunk.query_start + prompt)
@@ -74,9 +77,10 @@ def _as_decodes(ops: OpsBackend, q: torch.Tensor, kv_cache: torch.Tensor,
                 ) -> torch.Tensor:
     """A prefill chunk's rows from ``first`` (generated tokens recomputed after a preemption,
     or every row where the backend's ``prefill_rows_as_decodes``: float32 with the C++
-    kernels, where no prefill attention kernel exists and SDPA's blocking makes a query's
-    result depend on its chunk; its cost against SDPA: see docs/benchmarks.md), each
-    attending as a decode: the decode kernel over its context in the cache."""
+    kernels, or bf16 at a head_dim its prefill kernel does not take, where no prefill
+    attention kernel runs and SDPA's blocking makes a query's result depend on its chunk;
+    its cost against SDPA: see docs/benchmarks.md), each attending as a decode: the decode
+    kernel over its context in the cache."""
     n = q.shape[0]
     tables = _block_table(chunk, meta, kv_cache, q.shape[-1]).unsqueeze(0).expand(n, -1)
     tables = tables.contiguous()
