@@ -244,6 +244,22 @@ def test_a_newcomer_starts_from_a_running_tenants_service_not_zero() -> None:
     assert_no_leak(h.sched)
 
 
+def test_the_fair_policy_forgets_idle_tenants_it_would_not_treat_apart() -> None:
+    """A client that sends a new `user` per request: each tenant's service is dropped once it
+    is idle at or below the floor (it would rejoin at the floor anyway), so the table does not
+    grow with every user ever seen."""
+    h = make_policy_harness(num_blocks=256, block_size=4, policy="fair", max_num_seqs=4)
+    for i in range(40):
+        h.add(make_policy_request(f"r{i}", [10 + i, 11, 12, 13, 14], 4, user=f"user-{i}"))
+        h.step()
+    h.run()
+    h.add(make_policy_request("last", [5, 6, 7], 2, user="last"))
+    # (the last few users keep theirs: above the floor, 0 with nobody else active)
+    assert len(h.sched.policy.served) <= 8, h.sched.policy.served
+    h.run()
+    assert_no_leak(h.sched)
+
+
 # ---------------------------------------------------------------- randomized stress
 def _stress(policy: str, preemption: str, seed: int, async_scheduling: bool = False) -> Harness:
     rng = random.Random(seed)

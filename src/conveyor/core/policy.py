@@ -205,6 +205,10 @@ class FairPolicy(SchedulingPolicy):
         if tenant not in self._queues:
             active = [self.served[t] for t in self._live if t in self.served]
             floor = min(active) if active else 0.0
+            # An idle tenant at or below the floor would rejoin at the floor: its entry says
+            # nothing (dropped, so that a `user` per request does not grow this forever).
+            for idle in [t for t, s in self.served.items() if s <= floor and t not in self._live]:
+                del self.served[idle]
             self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
             self._queues[tenant] = deque()
         return self._queues[tenant]
