@@ -177,6 +177,21 @@ def test_the_page_is_usable_by_keyboard(page: Any, server: ServerProcess,
         wait_idle(server)
 
 
+def test_escape_in_the_key_dialog_leaves_the_answer_streaming(page: Any, server: ServerProcess,
+                                                             tmp_path: Any) -> None:
+    with screenshot_on_failure(page, tmp_path, "key-escape"):
+        page.click("#new-chat")
+        ask(page, "Write a long story about a dragon who learns to sail.", 120)
+        page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .text')"
+                               "?.textContent.length > 5")
+        page.click("#key-button")
+        page.press("#key-input", "Escape")
+        page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .stats')"
+                               "?.textContent.includes('tokens')")
+        assert "stopped" not in page.inner_text(f"{LAST_ANSWER} .stats")
+        wait_idle(server)
+
+
 def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,
                                             tiny_llama_dir: Any, tmp_path: Any) -> None:
     keyed = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
@@ -193,6 +208,18 @@ def test_the_page_asks_for_the_api_key_once(page: Any, server: ServerProcess,
                                    arg=keyed.model)
             page.wait_for_function("() => document.getElementById('live-status').textContent"
                                    " === '(live)'")
+            # Dismissed after that Save (Escape; requestClose, the close-watcher path that
+            # keeps the dialog's last returnValue), the dialog saves nothing that was typed
+            for dismiss in ("Escape", "requestClose"):
+                page.click("#key-button")
+                page.fill("#key-input", "abandoned")
+                if dismiss == "Escape":
+                    page.press("#key-input", "Escape")
+                else:
+                    page.evaluate("() => document.getElementById('key-dialog').requestClose()")
+                page.wait_for_selector("#key-dialog", state="hidden")
+                stored = page.evaluate("() => localStorage.getItem('conveyor.apiKey')")
+                assert stored == "page-key", dismiss
             page.reload()  # the key is kept: no second question
             page.wait_for_function("() => document.getElementById('live-status').textContent"
                                    " === '(live)'")

@@ -29,6 +29,7 @@ const api = {
           api._asking = null;
           resolve(dialog.returnValue === "ok");
         }, { once: true });
+        dialog.returnValue = "";  // (Escape keeps the last value: a Save before is no Save now)
         dialog.showModal();
         input.focus();
       });

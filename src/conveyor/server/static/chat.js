@@ -170,7 +170,10 @@ chat.el.prompt.addEventListener("keydown", (event) => {
     chat.el.form.requestSubmit();
   }
 });
-document.addEventListener("keydown", (event) => { if (event.key === "Escape") stop(); });
+document.addEventListener("keydown", (event) => {
+  // (not the Escape that closes the key dialog: that one leaves the answer streaming)
+  if (event.key === "Escape" && !document.getElementById("key-dialog").open) stop();
+});
 chat.el.stop.addEventListener("click", stop);
 chat.el.newChat.addEventListener("click", () => {
   stop();
