@@ -20,10 +20,10 @@ from conveyor.tokenizer.chat_template import open_final_message, render_chat_tem
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
 # The GGUF token ids that end generation (llama.cpp's end-of-generation tokens): end of text,
 # of turn, of message (Llama 3.1's <|eom_id|>, after a tool call)
 GGUF_END_TOKENS = ("eos", "eot", "eom")
-TOKEN_TYPE_USER_DEFINED = 4
 
 # Pre-tokenizer splits, as llama.cpp's llama-vocab.cpp (and the models' own tokenizer.json) do.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
