@@ -4,7 +4,8 @@
 # on one H200. Every result lands under $OUT (the device tool's output folder; else
 # bench-results/gpu), at most 8 files:
 #   gpu_check.log                  every command and its output, and each step's time and rc
-#   pytest.log                     tests marked gpu (tests/test_gpu.py, tests/test_cuda_graphs.py)
+#   pytest.log                     tests marked gpu (test_gpu, test_cuda_graphs, and
+#                                  test_gpu_attention: the Triton kernel compiled, FlashInfer)
 #   offline-smollm2.json           reference workload, SmolLM2-135M shape, bf16, graphs vs
 #                                  enforce_eager (--against); roofline at batch 1, 16, 64
 #   offline-smollm2-async.json     the same with async_scheduling against without it
@@ -19,11 +20,15 @@
 # SmolLM2 shape for all three models (to check that they parse and run before spending GPU
 # time): GPU_CHECK_SIZE=tiny GPU_CHECK_LIMIT_SCALE=4 OUT=/tmp/gpu-check bash scripts/gpu_check.sh
 # (the limits are the GPU's: on a loaded 2-core CPU each tiny bench step takes minutes).
+# GPU_CHECK_STEPS="tests smollm2" runs only the steps named (default: all, in this order:
+# tests smollm2 qwen3-nano-vllm llama3-8b hf-peer smollm2-async), to split the run in two
+# where one lease's time would not hold it all.
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 SIZE=${GPU_CHECK_SIZE:-full}
+ALL_STEPS="tests smollm2 qwen3-nano-vllm llama3-8b hf-peer smollm2-async"
 PY=${PYTHON:-python3}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -35,7 +40,9 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # step NAME SECONDS COMMAND...: run it with a time limit, output into the log; a failed or
 # timed-out step is logged and the run goes on to the next.
+wants() { case " ${GPU_CHECK_STEPS:-$ALL_STEPS} " in *" $1 "*) return 0 ;; esac; return 1; }
 step() {
+    wants "$1" || return 0
     local name=$1 limit=$(($2 * ${GPU_CHECK_LIMIT_SCALE:-1})) start rc
     shift 2
     echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
@@ -67,9 +74,10 @@ torch.cuda.is_available(), 'transformers', transformers.__version__)"; } >>"$LOG
 
 # shellcheck disable=SC2086
 step tests 150 "$PY" -m pytest -q -n 0 -p no:cacheprovider $TESTS \
-    tests/test_gpu.py tests/test_cuda_graphs.py
-grep -E "passed|failed|skipped|error" "$LOG" | tail -1 >"$OUT/pytest.log"
-sed -n '/=== tests (limit/,/=== tests: rc=/p' "$LOG" >>"$OUT/pytest.log"
+    tests/test_gpu.py tests/test_cuda_graphs.py tests/test_gpu_attention.py \
+    tests/test_triton_attention.py
+wants tests && { grep -E "passed|failed|skipped|error" "$LOG" | tail -1 >"$OUT/pytest.log"
+    sed -n '/=== tests (limit/,/=== tests: rc=/p' "$LOG" >>"$OUT/pytest.log"; }
 
 # The reference workload (64 requests) with CUDA graphs, and again with enforce_eager.
 step smollm2 120 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory "$KV_SMALL" "${REQS[@]}" \
@@ -93,7 +101,7 @@ step hf-peer 120 bash -c "set -e
 ${PEER[*]} --model $SMALL --workload reference ${REQS[*]:0:2} --batch-size 64 --result-file /tmp/peer-smollm2.json
 ${PEER[*]} --model $QWEN --workload $PEER_NANO ${NANO[*]:2} --batch-size $PEER_BATCH --result-file /tmp/peer-qwen3.json
 ${PEER[*]} --model $LLAMA --result-file /tmp/peer-llama3.json"
-"$PY" - "$OUT/hf-peer.json" /tmp/peer-smollm2.json /tmp/peer-qwen3.json /tmp/peer-llama3.json \
+wants hf-peer && "$PY" - "$OUT/hf-peer.json" /tmp/peer-smollm2.json /tmp/peer-qwen3.json /tmp/peer-llama3.json \
     <<'EOF' >>"$LOG" 2>&1
 import json, os, sys
 peer = {os.path.basename(p)[5:-5]: json.load(open(p)) for p in sys.argv[2:] if os.path.exists(p)}

@@ -6,7 +6,8 @@
 set -euo pipefail
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .whl "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
     "llguidance==$(python3 -c 'import importlib.metadata as m; print(m.version("llguidance"))')"
