@@ -21,7 +21,12 @@ from conveyor import LLM, SamplingParams
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
 from conveyor.attention.metadata import AttentionMetadata
 from conveyor.attention.paged_batch import PagedBatch, StepMemo, paged_batch
-from conveyor.attention.triton_paged import attend, interpreted, triton_paged_attention
+from conveyor.attention.triton_paged import (
+    attend,
+    interpreted,
+    kernel_constants,
+    triton_paged_attention,
+)
 from conveyor.ops import OpsBackend, ReferenceBackend
 
 # Tolerances against the reference: float32 exact products; half types round P (and, in the
@@ -83,7 +88,8 @@ def test_mixed_step_matches_reference(dtype: torch.dtype, block_size: int,
 COMPILE = """
 import torch
 from conveyor.attention.triton_paged import compile_for
-for args in [((9, 0), torch.bfloat16, 3, 64, 16, 1), ((8, 0), torch.float16, 4, 128, 16, 512)]:
+for args in [((9, 0), torch.bfloat16, 3, 64, 16, 1), ((8, 0), torch.float16, 4, 128, 16, 512),
+             ((9, 0), torch.float32, 4, 8, 8, 1)]:  # head_dim 8: under tl.dot's K of 16
     kernel = compile_for(*args)
     print(args[0], len(kernel.asm["cubin"]), kernel.metadata.shared)
 """
@@ -91,16 +97,26 @@ for args in [((9, 0), torch.bfloat16, 3, 64, 16, 1), ((8, 0), torch.float16, 4, 
 
 def test_kernel_compiles_for_gpus(tmp_path) -> None:
     """What the interpreter does not check: that Triton compiles the kernel (tile shapes,
-    tl.dot operand types, the early exit) to a cubin for sm_90 and sm_80. In a process of its
-    own: here triton was imported to interpret."""
+    tl.dot operand types, the early exit) to a cubin for sm_90 and sm_80, for a head_dim under
+    tl.dot's smallest K (the tiny GQA test model's 8) too. In a process of its own: here
+    triton was imported to interpret."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    assert [line[:2] for line in lines] == [["(9,", "0)"], ["(8,", "0)"]]
+    assert [line[:2] for line in lines] == [["(9,", "0)"], ["(8,", "0)"], ["(9,", "0)"]]
     assert all(int(cubin) > 0 and int(shared) > 0 for *_, cubin, shared in lines)
+
+
+def test_head_dim_tile_is_at_least_tl_dots_smallest_k() -> None:
+    """Triton 3.6 (the GPU machine's) refuses a tl.dot with K < 16 (3.8's compile_for above
+    takes it for float32): a head_dim of 8 (the tiny GQA model's) is padded to a 16-wide tile,
+    masked like any padding; 64 and 128 stay as they are."""
+    for head_dim, tile in [(8, 16), (16, 16), (24, 32), (64, 64), (128, 128)]:
+        const = kernel_constants(torch.float32, 4, head_dim, 16, 1)
+        assert (const["HEAD_DIM"], const["HEAD_DIM_P"]) == (head_dim, tile)
 
 
 def test_every_layer_of_a_step_shares_one_batch() -> None:

@@ -41,6 +41,9 @@ TILE_N = 32
 # steps take the smallest tile that holds one row's G heads (at least 16).
 PREFILL_BLOCK_M = 64
 MIN_BLOCK_M = 16
+# The head_dim tile's least width: tl.dot's smallest K on a GPU (Triton 3.6 refuses less);
+# a smaller head_dim is padded and masked.
+MIN_HEAD_DIM_P = 16
 # The step's PagedBatch, built by its first layer.
 _step_batch: StepMemo[PagedBatch] = StepMemo()
 
@@ -127,7 +130,7 @@ def kernel_constants(dtype: torch.dtype, group: int, head_dim: int, block_size: 
         block_m = max(block_m, PREFILL_BLOCK_M)
     dot_dtype = _dot_dtype(dtype)
     return dict(NUM_QUERIES_PER_KV=group, HEAD_DIM=head_dim,
-                HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+                HEAD_DIM_P=max(MIN_HEAD_DIM_P, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
                 BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=TILE_N, DOT_DTYPE=dot_dtype,
                 # float32 products exact (not TF32) on a GPU: float32 is the correctness setting
                 INPUT_PRECISION="ieee" if dot_dtype == tl.float32 else None)
