@@ -8,9 +8,11 @@ batch (the roofline a decode step can approach): their ratio is the engine's ove
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch
 from conveyor.engine.llm import LLM
 from conveyor.ops import ReferenceBackend
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Token ids for synthetic prompts are drawn above the special tokens of common vocabularies.
 _FIRST_PLAIN_TOKEN = 1000
@@ -116,18 +120,19 @@ def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5, dense: bool = False
     """Seconds for all of the model's matmuls (projections, MLP, LM head) at ``batch``
     tokens: no attention, no norms, no sampling, no Python scheduling. With the engine's own
     kernels, or ``dense``: on the bf16 weights, without the GGUF-block kernels (the issue's
-    roofline: the machine's bf16 matrix units)."""
+    roofline: the machine's bf16 matrix units). On CUDA the matmuls replay as one CUDA graph:
+    launched one by one from Python, a small model's hundreds of matmuls time the launches,
+    not the GPU (the engine's decode steps replay graphs too)."""
     engine = llm.engine
     layers = engine.runner.model.matmul_layers(dense=dense)
     inputs = {n: torch.randn(batch, n, dtype=engine.dtype, device=engine.device)
               for _, n in layers}
 
-    def run() -> None:
+    def matmuls() -> None:
         for matmul, n in layers:
             matmul(inputs[n])
-        if engine.device.type == "cuda":  # kernels run asynchronously: wait for them
-            torch.cuda.synchronize(engine.device)
 
+    run = _cuda_graph_of(matmuls, engine.device) if engine.device.type == "cuda" else matmuls
     run()
     best = float("inf")
     for _ in range(repeats):
@@ -135,6 +140,31 @@ def bare_matmul_time(llm: LLM, batch: int, repeats: int = 5, dense: bool = False
         run()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _cuda_graph_of(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``fn``'s kernels captured once (after a warm-up run), as a call that replays them and
+    waits for them; where capture fails, ``fn`` launched eagerly (and a warning says so)."""
+    fn()  # warm-up outside the graph: cuBLAS picks its kernels and workspaces
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        logger.warning("bare matmuls not captured (%s): timed as eager launches", e)
+
+        def eager() -> None:
+            fn()
+            torch.cuda.synchronize(device)
+
+        return eager
+
+    def replay() -> None:
+        graph.replay()
+        torch.cuda.synchronize(device)
+
+    return replay
 
 
 # Tokens each request of a timed decode step has in its context.
