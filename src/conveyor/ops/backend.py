@@ -6,9 +6,11 @@ device can do, three implementations, chosen in one place (``select_backend``).
 - ``CpuKernelBackend``: the C++ kernels (``cpu_kernels``), with the fused decode loop,
   matmuls on GGUF blocks and, in bf16, the prefill attention kernel, as this CPU has them;
   with AMX or AVX512-BF16, a bf16 KV cache in the tile layout (``kv_cache_tiles``).
-- ``CudaBackend``: the torch reference ops on CUDA tensors, and as ``step_attention`` the
-  paged-attention kernel ``attention/cuda_backend.py`` picks (FlashInfer, else Triton),
-  which reads the blocks in place; without either, SDPA over gathered blocks.
+- ``CudaBackend``: the torch reference ops on CUDA tensors, with RMSNorm (and its residual
+  add), SiLU-and-multiply and RoPE as one Triton kernel each (``triton_ops.py``), and as
+  ``step_attention`` the paged-attention kernel ``attention/cuda_backend.py`` picks
+  (FlashInfer, else Triton), which reads the blocks in place; without either, SDPA over
+  gathered blocks.
 
 Callers read the capability flags; they never test which backend they hold.
 """
@@ -155,7 +157,8 @@ class ReferenceBackend:
 
 
 class CudaBackend(ReferenceBackend):
-    """The CUDA path: the torch reference ops on CUDA tensors, and for attention the kernel
+    """The CUDA path: the torch reference ops on CUDA tensors (the elementwise ones as Triton
+    kernels, ``triton_ops.py``, where Triton imports), and for attention the kernel
     ``attention/cuda_backend.py`` picks for the model's dtype and this GPU (FlashInfer, else
     the Triton kernel: ``step_attention``, blocks read in place); where neither runs, SDPA
     over gathered blocks. CUDA graphs wrap the model from the runner
@@ -171,6 +174,14 @@ class CudaBackend(ReferenceBackend):
 
         self.attention = cuda_paged_attention_backend(dtype)
         self.step_attention = paged_attention_kernel(self.attention)
+        try:  # one kernel per op where Triton is there (torch's CUDA wheels bring it)
+            from conveyor.ops import triton_ops
+        except ImportError:
+            return
+        self.rms_norm = triton_ops.rms_norm
+        self.add_rms_norm_ = triton_ops.add_rms_norm_
+        self.silu_mul = triton_ops.silu_mul
+        self.rotary_ = triton_ops.rotary_
 
 
 class CpuKernelBackend:
