@@ -10,6 +10,7 @@ and a whole generation with and without ``enforce_eager``.
 
 from __future__ import annotations
 
+import gc
 import random
 from typing import Any
 
@@ -155,6 +156,39 @@ def test_static_buffers_are_reused_and_padding_reset() -> None:
     assert torch.equal(graphs.slot_mapping[:3], meta.slot_mapping)
     width = meta.decode_block_tables.shape[1]
     assert torch.equal(graphs.block_tables[:3, :width], meta.decode_block_tables)
+
+
+class _Dead:
+    """Cyclic garbage (as a dead engine is) that notes when it is collected."""
+
+    collected_in: list[bool] = []
+
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        _Dead.collected_in.append(gc.isenabled())
+
+
+def test_no_collection_runs_inside_the_captures(monkeypatch) -> None:
+    """A collection inside a capture would free a dead engine's pinned buffers, whose free
+    records an event outside the capture and invalidates it (seen on an H200): garbage is
+    collected before the first capture, the collector is off during them, on again after."""
+    _, _, _, graphs = _setup("auto")
+    during: list[bool] = []
+    capture_one = graphs._capture_one
+
+    def watched(size: int) -> Any:
+        during.append(gc.isenabled())
+        return capture_one(size)
+
+    monkeypatch.setattr(graphs, "_capture_one", watched)
+    _Dead.collected_in.clear()
+    _Dead()
+    graphs.capture()
+    assert _Dead.collected_in == [True]  # before the captures
+    assert during == [False] * len(graphs.spec.batch_sizes)
+    assert gc.isenabled()
 
 
 def test_only_decode_only_steps_within_the_largest_bucket_are_eligible() -> None:

@@ -31,7 +31,9 @@ block and the buffer reuse that a graph replays.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +127,9 @@ class CudaGraphRunner:
         writes K/V to the scratch block alone."""
         self._replays.clear()
         self._pad(0, self.max_batch_size)
-        for size in reversed(self.spec.batch_sizes):
-            self._replays[size] = self._capture_one(size)
+        with _no_collection_inside():
+            for size in reversed(self.spec.batch_sizes):
+                self._replays[size] = self._capture_one(size)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> torch.Tensor:
@@ -177,3 +180,22 @@ class CudaGraphRunner:
             return out
 
         return replay
+
+
+@contextlib.contextmanager
+def _no_collection_inside() -> Iterator[None]:
+    """Python's cycle collector collected once, then held off until the block ends. A
+    collection inside a capture frees whatever dead objects it finds, a dead engine's pinned
+    buffers among them, and freeing one records a CUDA event on the stream that last used it,
+    outside the capture: the capture is invalidated ("operation failed due to a previous error
+    during capture": on an H200, an engine built in a test process where earlier engines had
+    died). torch's own ``graph`` collects first only under ``force_cudagraph_gc``."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
