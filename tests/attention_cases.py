@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,3 +96,14 @@ def check_against_reference(kernel: Kernel, step: Step, atol: float) -> None:
     assert torch.equal(cache, ref_cache)
     err = (out.float() - expected.float()).abs().max().item()
     assert err <= atol, f"max |kernel - reference| = {err} > {atol}"
+
+
+def generate_on(llm: Any, backend: ReferenceBackend, prompts: list[list[int]], params: Any,
+                kv_free: Callable[[Any], None]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy token ids and their logprobs from ``llm`` with ``backend`` as its
+    ops (``ModelRunner.use_backend``), every KV block free after."""
+    llm.engine.runner.use_backend(backend)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    kv_free(llm)
+    return [(list(o.outputs[0].token_ids),
+             [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from attention_cases import Seq, check_against_reference, make_step
+from attention_cases import Seq, check_against_reference, generate_on, make_step
 from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
@@ -27,7 +27,7 @@ from conveyor.attention.triton_paged import (
     kernel_constants,
     triton_paged_attention,
 )
-from conveyor.ops import OpsBackend, ReferenceBackend
+from conveyor.ops import ReferenceBackend
 
 # Tolerances against the reference: float32 exact products; half types round P (and, in the
 # reference, SDPA's intermediate results) to 8 or 11 mantissa bits.
@@ -183,17 +183,9 @@ def test_an_engine_whose_backend_has_the_kernel_generates_as_the_reference(
     prompts = [shared + list(range(100, 117)), shared + list(range(200, 205)),
                list(range(300, 331))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-
-    def run(backend: OpsBackend) -> list[tuple[list[int], list[float]]]:
-        llm.engine.runner.use_backend(backend)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        kv_free(llm)
-        return [(list(o.outputs[0].token_ids),
-                 [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
-                for o in outs]
-
-    reference_out = run(ReferenceBackend())
-    triton_out = run(_TritonBackend())  # its prompts' full blocks are cached: chunks on a prefix
+    reference_out = generate_on(llm, ReferenceBackend(), prompts, params, kv_free)
+    # its prompts' full blocks are cached: chunks on a prefix
+    triton_out = generate_on(llm, _TritonBackend(), prompts, params, kv_free)
     for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
         assert ids == ref_ids
         assert lp == pytest.approx(ref_lp, abs=1e-4)

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from attention_cases import generate_on
 from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.ops import ReferenceBackend, reference
@@ -122,18 +123,9 @@ def test_an_engine_on_the_triton_ops_generates_as_the_reference(arch, tiny_model
               kv_cache_memory=TINY_KV_MEMORY, max_model_len=256, max_num_batched_tokens=24)
     prompts = [list(range(40, 77)), list(range(200, 205)), list(range(300, 331))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-
-    def run(backend: ReferenceBackend) -> list[tuple[list[int], list[float]]]:
-        llm.engine.runner.use_backend(backend)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        kv_free(llm)
-        return [(list(o.outputs[0].token_ids),
-                 [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
-                for o in outs]
-
-    reference_out = run(ReferenceBackend())
-    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, run(_TritonOpsBackend()),
-                                            strict=True):
+    reference_out = generate_on(llm, ReferenceBackend(), prompts, params, kv_free)
+    triton_out = generate_on(llm, _TritonOpsBackend(), prompts, params, kv_free)
+    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
         assert ids == ref_ids
         assert lp == pytest.approx(ref_lp, abs=1e-4)
 
