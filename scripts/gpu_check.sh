@@ -31,6 +31,9 @@ LOG="$OUT/gpu_check.log"
 SIZE=${GPU_CHECK_SIZE:-full}
 ALL_STEPS="tests smollm2 qwen3-nano-vllm llama3-8b smollm2-async"
 ALL_STEPS+=" host-profile hf-peer-llama3 hf-peer-smollm2 hf-peer-qwen3"
+for name in ${GPU_CHECK_STEPS:-}; do
+    case " $ALL_STEPS " in *" $name "*) ;; *) echo "GPU_CHECK_STEPS: no step $name (steps: $ALL_STEPS)"; exit 2 ;; esac
+done
 PY=${PYTHON:-python3}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -43,6 +46,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # step NAME SECONDS COMMAND...: run it with a time limit, output into the log; a failed or
 # timed-out step is logged and the run goes on to the next.
 wants() { case " ${GPU_CHECK_STEPS:-$ALL_STEPS} " in *" $1 "*) return 0 ;; esac; return 1; }
+rm -f /tmp/peer-smollm2.json /tmp/peer-qwen3.json /tmp/peer-llama3.json  # no stale peers
 step() {
     wants "$1" || return 0
     local name=$1 limit=$(($2 * ${GPU_CHECK_LIMIT_SCALE:-1})) start rc

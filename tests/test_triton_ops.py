@@ -35,7 +35,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within the dtype's tolerance; float16 bit for bit (the interpreter rounds it as torch
+    does): a rounding step the reference takes and a kernel skips shows there."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if dtype == torch.float16:
+        assert torch.equal(actual, expected)
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
@@ -100,7 +104,24 @@ def test_bad_layouts_raise_value_errors() -> None:
     with pytest.raises(ValueError, match="unit stride"):
         add_rms_norm_(x.t(), x.t(), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="even head_dim"):
-        rotary_(torch.randn(2, 14), torch.zeros(2, dtype=torch.long), torch.randn(4, 6), 2, 7)
+        rotary_(torch.randn(2, 14), torch.zeros(2, dtype=torch.long), torch.randn(4, 7), 2, 7)
+    with pytest.raises(ValueError, match=r"cos_sin \[positions, head_dim\]"):
+        rotary_(torch.randn(2, 16), torch.zeros(2, dtype=torch.long), torch.randn(4, 16), 2, 8)
+
+
+def test_strided_weights_and_positions_read_as_the_reference() -> None:
+    """A weight or positions tensor that is a strided view is read element by element."""
+    x = torch.randn(3, 64)
+    w = torch.rand(128)[::2] + 0.5
+    close(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), torch.float32)
+    positions = torch.tensor([5, 0, 9, 0, 2, 0])[::2]
+    angles = torch.arange(16).float()[:, None] * torch.rand(4)[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    qk = torch.randn(3, 16)
+    expected = qk.clone()
+    reference.rotary_(expected, positions, cos_sin, 2, 8)
+    rotary_(qk, positions, cos_sin, 2, 8)
+    close(qk, expected, torch.float32)
 
 
 class _TritonOpsBackend(ReferenceBackend):

@@ -43,6 +43,14 @@ def _imports(module: str) -> bool:
     return True
 
 
+def triton_runs(device: int | None = None) -> bool:
+    """Whether Triton kernels run on CUDA device ``device``: sm_70+ and ``triton`` imports
+    (the paged-attention kernel's test, and ``CudaBackend``'s for its Triton ops)."""
+    return (torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY
+            and _imports("triton"))
+
+
 def cuda_paged_attention_backend(dtype: torch.dtype = torch.bfloat16,
                                  kv_cache_dtype: str = "auto",
                                  device: int | None = None) -> AttentionBackendName:
@@ -56,9 +64,7 @@ def cuda_paged_attention_backend(dtype: torch.dtype = torch.bfloat16,
     if (dtype in (torch.float16, torch.bfloat16) and capability >= FLASHINFER_MIN_CAPABILITY
             and _imports("flashinfer")):
         return "flashinfer"
-    if capability >= TRITON_MIN_CAPABILITY and _imports("triton"):
-        return "triton"
-    return "torch"
+    return "triton" if triton_runs(device) else "torch"
 
 
 def paged_attention_kernel(name: AttentionBackendName) -> PagedAttentionFn | None:

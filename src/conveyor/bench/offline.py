@@ -20,6 +20,7 @@ import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.ops import ReferenceBackend
+from conveyor.runner.cuda_graphs import no_collection_inside
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def _cuda_graph_of(fn: Callable[[], None], device: torch.device) -> Callable[[],
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with no_collection_inside(), torch.cuda.graph(graph):
             fn()
     except RuntimeError as e:
         logger.warning("bare matmuls not captured (%s): timed as eager launches", e)

@@ -170,14 +170,15 @@ class CudaBackend(ReferenceBackend):
         from conveyor.attention.cuda_backend import (
             cuda_paged_attention_backend,
             paged_attention_kernel,
+            triton_runs,
         )
 
         self.attention = cuda_paged_attention_backend(dtype)
         self.step_attention = paged_attention_kernel(self.attention)
-        try:  # one kernel per op where Triton is there (torch's CUDA wheels bring it)
-            from conveyor.ops import triton_ops
-        except ImportError:
+        if not triton_runs():  # one kernel per op where Triton runs (torch's CUDA wheels bring it)
             return
+        from conveyor.ops import triton_ops
+
         self.rms_norm = triton_ops.rms_norm
         self.add_rms_norm_ = triton_ops.add_rms_norm_
         self.silu_mul = triton_ops.silu_mul

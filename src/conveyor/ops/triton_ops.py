@@ -6,8 +6,10 @@ step of a small model on a GPU is a sequence of such kernels, each a few microse
 replayed from a CUDA graph: SmolLM2-135M's decode step at batch 1 took ~2.6 ms on an H200
 (~1,500 kernels) where its weights take 0.06 ms to read (docs/benchmarks.md). Each kernel here
 computes in float32 and rounds to the tensor's dtype where the reference op rounds (after the
-residual add, the normalised row, the SiLU, each rotary product), so a row's result matches
-the reference to the float32 rounding of its reductions.
+residual add, the normalised row, the SiLU, each rotary product). In Triton's interpreter
+float16 results equal the reference's bit for bit; on a GPU they may differ in the last place
+where float32 differs (the norm's reduction order, Triton's fast sqrt, division and exp, a
+fused multiply-add in RoPE).
 
 Under ``TRITON_INTERPRET=1`` (CI, no GPU) the same kernels run on CPU tensors in Triton's
 interpreter (tests/test_triton_ops.py).
@@ -92,6 +94,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``reference.rms_norm`` in one kernel: x [..., n] -> w * normalised x."""
     rows = _rows(x)
     n = rows.shape[1]
+    w = w.contiguous()
     out = torch.empty(rows.shape, dtype=torch.result_type(x, w), device=x.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
@@ -107,7 +110,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     x and residual are [T, n] with unit stride along n (both written in place)."""
     if x.stride(-1) != 1 or residual.stride(-1) != 1 or x.dim() != 2 or residual.dim() != 2:
         raise ValueError("add_rms_norm_ needs 2-D x and residual with unit stride along n")
-    n = x.shape[1]
+    n, w = x.shape[1], w.contiguous()
     if x.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x.shape[0],)](x, residual, w, x, x.stride(0), residual.stride(0),
@@ -135,11 +138,12 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
             num_heads: int, head_dim: int) -> None:
     """``reference.rotary_`` in one kernel: the first ``num_heads`` heads of each row of
     x [T, >= num_heads * head_dim] (unit stride along a row) rotated in place."""
-    if x.dim() != 2 or x.stride(-1) != 1 or cos_sin.stride(-1) != 1 or head_dim % 2:
-        raise ValueError("rotary_ needs x [T, width] with unit stride along a row, and an "
-                         "even head_dim")
+    if x.dim() != 2 or x.stride(-1) != 1 or head_dim % 2 or cos_sin.shape[-1] != head_dim:
+        raise ValueError("rotary_ needs x [T, width] with unit stride along a row, an even "
+                         "head_dim and cos_sin [positions, head_dim]")
     if x.shape[0]:
         half = head_dim // 2
+        positions, cos_sin = positions.contiguous(), cos_sin.contiguous()
         _rotary_kernel[(x.shape[0],)](x, positions, cos_sin, x.stride(0), cos_sin.stride(0),
                                       num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
                                       HEADS_P=triton.next_power_of_2(num_heads))

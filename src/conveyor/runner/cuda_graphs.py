@@ -127,7 +127,7 @@ class CudaGraphRunner:
         writes K/V to the scratch block alone."""
         self._replays.clear()
         self._pad(0, self.max_batch_size)
-        with _no_collection_inside():
+        with no_collection_inside():
             for size in reversed(self.spec.batch_sizes):
                 self._replays[size] = self._capture_one(size)
 
@@ -183,7 +183,7 @@ class CudaGraphRunner:
 
 
 @contextlib.contextmanager
-def _no_collection_inside() -> Iterator[None]:
+def no_collection_inside() -> Iterator[None]:
     """Python's cycle collector collected once, then held off until the block ends. A
     collection inside a capture frees whatever dead objects it finds, a dead engine's pinned
     buffers among them, and freeing one records a CUDA event on the stream that last used it,
