@@ -76,6 +76,10 @@ LAYER_MATMULS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
                  ("mlp", "down_proj", ("down_proj",)))
 
 
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
 @dataclass(slots=True)
 class _LayerRefs:
     """One decoder layer's weights and matmuls as plain references, so the forward loop reads
@@ -87,15 +91,15 @@ class _LayerRefs:
     o_proj: Matmul
     gate_up_proj: Matmul
     down_proj: Matmul
-    q_norm: Matmul | None
-    k_norm: Matmul | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms' weights
+    k_norm: torch.Tensor | None
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> _LayerRefs:
         attn, mlp = layer.self_attn, layer.mlp
         return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                    attn.qkv_proj.forward, attn.o_proj.forward, mlp.gate_up_proj.forward,
-                   mlp.down_proj.forward, attn.q_norm, attn.k_norm)
+                   mlp.down_proj.forward, _weight(attn.q_norm), _weight(attn.k_norm))
 
 
 class CausalLM(nn.Module):
@@ -201,8 +205,10 @@ class CausalLM(nn.Module):
         v = qkv[:, q_size + kv_size:].view(t, kvh, d)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], -1)
-            qk = torch.cat([layer.q_norm(q.view(t, h, d)).view(t, -1),
-                            layer.k_norm(k.view(t, kvh, d)).view(t, -1)], -1)
+            # each head normalised as a row, through the backend (one kernel per norm)
+            norm, eps = self.backend.rms_norm, cfg.rms_norm_eps
+            qk = torch.cat([norm(q.reshape(t * h, d), layer.q_norm, eps).view(t, -1),
+                            norm(k.reshape(t * kvh, d), layer.k_norm, eps).view(t, -1)], -1)
         else:
             qk = qkv  # q and k are adjacent in the fused output: rotated in place, in one op
         self.backend.rotary_(qk, positions, cos_sin, h + kvh, d)
