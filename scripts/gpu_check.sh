@@ -106,7 +106,7 @@ step llama3-8b 150 "${BENCH[@]}" --model "$LLAMA" "${BIG[@]}" \
 # Async scheduling (step N+1 launched before step N's results are taken) against the
 # synchronous engine, on the reference workload.
 step smollm2-async 90 "${BENCH[@]}" --model "$SMALL" --kv-cache-memory "$KV_SMALL" "${REQS[@]}" \
-    --roofline-batches "${ROOF_SMALL[0]}" --async-scheduling --against async_scheduling=false \
+    --roofline-batches "${ROOF_SMALL[@]}" --async-scheduling --against async_scheduling=false \
     --result-file "$OUT/offline-smollm2-async.json"
 
 # Where the host's share of a decode step goes (cProfile, functions by their own time), at
@@ -121,7 +121,7 @@ PEER=("$PY" scripts/hf_peer.py --device "$DEVICE" --dtype "$DTYPE")
 step hf-peer-llama3 60 "${PEER[@]}" --model "$LLAMA" --result-file /tmp/peer-llama3.json
 step hf-peer-smollm2 60 "${PEER[@]}" --model "$SMALL" --workload reference "${REQS[@]:0:2}" \
     --batch-size 64 --result-file /tmp/peer-smollm2.json
-step hf-peer-qwen3 180 "${PEER[@]}" --model "$QWEN" --workload "$PEER_NANO" "${NANO[@]:2}" \
+step hf-peer-qwen3 300 "${PEER[@]}" --model "$QWEN" --workload "$PEER_NANO" "${NANO[@]:2}" \
     --batch-size "$PEER_BATCH" --result-file /tmp/peer-qwen3.json
 "$PY" - "$OUT/hf-peer.json" /tmp/peer-smollm2.json /tmp/peer-qwen3.json /tmp/peer-llama3.json \
     <<'EOF' >>"$LOG" 2>&1
