@@ -136,6 +136,20 @@ def test_the_load_button_shows_requests_batched(page: Any, server: ServerProcess
         page.wait_for_function("() => document.getElementById('running').textContent === '0'")
 
 
+def test_the_load_button_says_when_the_server_is_unreachable(page: Any,
+                                                           tmp_path: Any) -> None:
+    """A network failure (no HTTP answer at all) ends the "sending..." status with why."""
+    with screenshot_on_failure(page, tmp_path, "load-offline"):
+        page.route("**/v1/engine/load", lambda route: route.abort("connectionrefused"))
+        try:
+            page.fill("#load-n", "1")
+            page.click("#load")
+            page.wait_for_function("() => document.getElementById('load-status').textContent"
+                                   ".startsWith('could not reach the server')")
+        finally:
+            page.unroute("**/v1/engine/load")
+
+
 def test_the_page_is_usable_by_keyboard(page: Any, server: ServerProcess,
                                         tmp_path: Any) -> None:
     """Tab reaches every control (the settings and the load button included); a question

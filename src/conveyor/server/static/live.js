@@ -225,10 +225,14 @@ document.getElementById("load").addEventListener("click", async () => {
   const cap = document.getElementById("load-max-tokens").value;
   if (cap) body.max_tokens = Number(cap);
   status.textContent = "sending…";
-  const response = await api.postJSON("/v1/engine/load", body);
-  status.textContent = response.ok
-    ? `${(await response.json()).request_ids.length} requests sent`
-    : await api.errorText(response);
+  try {
+    const response = await api.postJSON("/v1/engine/load", body);
+    status.textContent = response.ok
+      ? `${(await response.json()).request_ids.length} requests sent`
+      : await api.errorText(response);
+  } catch (error) {  // no HTTP answer at all (the server is down, the network failed)
+    status.textContent = `could not reach the server: ${error.message}`;
+  }
 });
 window.addEventListener("resize", scheduleDraw);
 connectEvents();
