@@ -150,6 +150,52 @@ def test_the_load_button_says_when_the_server_is_unreachable(page: Any,
             page.unroute("**/v1/engine/load")
 
 
+def test_a_second_question_while_the_model_is_fetched_is_not_sent(page: Any,
+                                                                  server: ServerProcess,
+                                                                  tmp_path: Any) -> None:
+    """The page learns the model's name before its first question. A question sent while
+    that lookup is under way (the first lookup found no server) makes the page busy: a second
+    Enter meanwhile sends nothing, and one chat request goes out."""
+    completions: list[str] = []
+    held: list[Any] = []
+
+    def count(request: Any) -> None:
+        if request.url.endswith("/v1/chat/completions"):
+            completions.append(request.url)
+
+    with screenshot_on_failure(page, tmp_path, "model-refetch"):
+        page.route("**/v1/models", lambda route: route.abort("connectionrefused"))
+        with page.expect_event("requestfailed",
+                               predicate=lambda r: r.url.endswith("/v1/models")):
+            page.reload()
+        model_text = page.inner_text("#model")
+        page.unroute("**/v1/models")
+        page.route("**/v1/models", lambda route: held.append(route))  # answered after 2 Enters
+        page.on("request", count)
+        try:
+            page.click("#new-chat")
+            page.fill("#prompt", "Say hi.")
+            page.press("#prompt", "Enter")
+            page.wait_for_function("() => document.getElementById('send').disabled")
+            page.fill("#prompt", "Say hello.")
+            page.press("#prompt", "Enter")
+            page.wait_for_timeout(300)
+            assert len(held) == 1
+            held[0].continue_()
+            page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .stats')"
+                                   "?.textContent.includes('tokens')")
+            assert len(completions) == 1
+            assert page.locator("#messages .msg.user").count() == 1
+            assert model_text.startswith("could not reach the server"), model_text
+        finally:
+            page.remove_listener("request", count)
+            page.unroute("**/v1/models")
+            page.reload()
+            page.wait_for_function("m => document.getElementById('model').textContent === m",
+                                   arg=server.model)
+    wait_idle(server)
+
+
 def test_the_page_is_usable_by_keyboard(page: Any, server: ServerProcess,
                                         tmp_path: Any) -> None:
     """Tab reaches every control (the settings and the load button included); a question

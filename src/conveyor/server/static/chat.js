@@ -126,6 +126,8 @@ async function streamAnswer(body, answer, view, signal) {
 }
 
 async function send(text) {
+  chat.controller = new AbortController();  // busy from here: a second submit is ignored
+  setBusy(true);
   if (!chat.model) await fetchModel();
   chat.messages.push({ role: "user", content: text });
   addMessageElement(chat.messages.at(-1));
@@ -133,8 +135,6 @@ async function send(text) {
   const answer = { role: "assistant", content: "", stats: null };
   chat.messages.push(answer);
   const view = addMessageElement(answer);
-  chat.controller = new AbortController();
-  setBusy(true);
   saveChat();
   await streamAnswer(body, answer, view, chat.controller.signal);
   chat.controller = null;
@@ -147,7 +147,13 @@ function stop() {
 }
 
 async function fetchModel() {
-  const response = await api.fetch("/v1/models");
+  let response;
+  try {
+    response = await api.fetch("/v1/models");
+  } catch (error) {  // no HTTP answer: the next question asks again
+    document.getElementById("model").textContent = `could not reach the server: ${error.message}`;
+    return;
+  }
   if (!response.ok) {
     document.getElementById("model").textContent = await api.errorText(response);
     return;
