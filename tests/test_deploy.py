@@ -10,6 +10,7 @@ import logging
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI, Request
@@ -42,6 +43,21 @@ def test_prefix_index_is_bounded_per_replica() -> None:
     assert index.longest_match("0123456789abcdef" * 4, ["a"]) == (None, 0)
     index.insert("a", "01234567")
     assert index.longest_match("01234567xxxxxxxx", ["a"]) == ("a", 8)
+
+
+def test_the_routers_pending_reasons_are_bounded(monkeypatch) -> None:
+    """A request cancelled while queued is never routed, so the reason noted for it is never
+    taken: the router keeps at most MAX_PENDING_REASONS of them, the newest."""
+    from conveyor.deploy import routing
+
+    monkeypatch.setattr(routing, "MAX_PENDING_REASONS", 100, raising=False)
+    router = routing.PrefixAffinityRouter.__new__(routing.PrefixAffinityRouter)
+    router.initialize_state()  # (Ray Serve calls it after its own set-up)
+    for i in range(250):
+        request = SimpleNamespace(metadata=SimpleNamespace(request_id=f"r{i}"))
+        router._note(request, "no_match")
+    assert len(router._reasons) == 100
+    assert next(iter(router._reasons)) == "r150" and "r249" in router._reasons
 
 
 def test_routing_text_reads_prompts_and_messages_in_order() -> None:

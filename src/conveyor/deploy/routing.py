@@ -19,6 +19,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from conveyor.deploy.bridge import ForwardedRequest
 from conveyor.deploy.prefix_index import DEFAULT_BLOCK_CHARS, PrefixIndex
 
+# Routing reasons kept for requests not yet routed: a request cancelled while queued is never
+# routed, so its entry would stay; past this many the oldest go (it then counts "no_prompt").
+MAX_PENDING_REASONS = 10_000
+
 
 def replica_name(replica_id: ReplicaID) -> str:
     """The replica's name in metrics and headers (the replica computes the same)."""
@@ -63,8 +67,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         return bool(known) and max(known) - min(known) > self._imbalance_threshold
 
     def _note(self, pending_request: PendingRequest | None, reason: str) -> None:
-        if pending_request is not None:
-            self._reasons[pending_request.metadata.request_id] = reason
+        if pending_request is None:
+            return
+        self._reasons[pending_request.metadata.request_id] = reason
+        if len(self._reasons) > MAX_PENDING_REASONS:
+            del self._reasons[next(iter(self._reasons))]  # the oldest (insertion order)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
