@@ -510,3 +510,46 @@ def test_token_budget_defaults_depend_on_usage() -> None:
     assert unchunked.scheduler_config(4096).max_num_batched_tokens == 4096
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineArgs(max_num_batched_tokens=-1)
+
+
+def _with_generation_config(tiny_model_factory, name: str, **sampling) -> str:
+    """A tiny model whose generation_config.json also sets sampling defaults."""
+    folder = tiny_model_factory(name, "llama")
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, **sampling}))
+    return str(folder)
+
+
+def test_generation_config_sampling_defaults_apply_where_nothing_is_set(
+        tiny_model_factory, kv_free) -> None:
+    """vLLM's `--generation-config auto`: the model's generation_config.json temperature
+    (here 0: greedy) and top_k are the defaults of a `generate` call without parameters;
+    `generation_config="vllm"` drops them (temperature 1: sampled)."""
+    folder = _with_generation_config(tiny_model_factory, "gen-config", temperature=0.0,
+                                     top_k=5, do_sample=False)
+    prompts = [[5, 6, 7, 8], [40, 41, 42], [300, 2, 9, 17, 4]]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
+    assert llm.engine.default_sampling == {"temperature": 0.0, "top_k": 5}
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k) == (0.0, 5)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    unset = [o.outputs[0].token_ids for o in llm.generate(prompts)]
+    assert [ids[:len(u)] for ids, u in zip(expected, unset, strict=True)] == unset
+    kv_free(llm)
+    plain = LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+                generation_config="vllm")
+    assert plain.engine.default_sampling == {}
+    assert plain.get_default_sampling_params().temperature == 1.0
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+            generation_config="model")
+
+
+def test_invalid_generation_config_defaults_are_dropped_with_a_warning(
+        tiny_model_factory, caplog) -> None:
+    folder = _with_generation_config(tiny_model_factory, "gen-config-bad", top_p=5.0)
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
+    assert llm.engine.default_sampling == {}
+    assert "are not used" in caplog.text and "top_p" in caplog.text

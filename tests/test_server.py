@@ -449,3 +449,32 @@ def test_metrics_use_vllm_names(server: ServerProcess):
     assert 'conveyor:time_to_first_token_seconds_bucket{le="0.001"' in text
     assert 'conveyor:request_prompt_tokens_bucket{le="1000.0"' in text
     assert metric_value(text, "conveyor:generation_tokens_total") > 0
+
+
+def test_requests_take_the_models_generation_config_defaults(tiny_model_factory) -> None:
+    """A model whose generation_config.json sets temperature 0: a request that sets no
+    temperature is greedy, token for token as one that asks for temperature 0; one that
+    sets its own temperature keeps it."""
+    folder = tiny_model_factory("server-gen-config", "llama")
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "temperature": 0.0}))
+    server = start_server("--model", str(folder), "--dtype", "float32",
+                          "--kv-cache-memory", "1MiB")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        prompt = [5, 6, 7, 8, 9]
+
+        def tokens(**params) -> list[int]:
+            out = client.completions.create(model=server.model, prompt=prompt, max_tokens=12,
+                                            logprobs=0, extra_body={"ignore_eos": True},
+                                            **params)
+            return out.choices[0].logprobs.tokens
+
+        greedy = tokens(temperature=0)
+        assert tokens() == greedy and tokens(seed=7) == greedy
+        sampled = [tokens(temperature=1.5, seed=s) for s in range(3)]
+        assert any(s != greedy for s in sampled)  # its own temperature is kept
+    finally:
+        assert server.stop() == 0, server.log_tail()
+        server.remove_log()

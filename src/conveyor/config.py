@@ -164,8 +164,15 @@ class LoadConfig:
                "captured at start per batch-size bucket (no effect on CPU)")
     served_model_name: str | None = setting(None, "model name in the API (default: the "
                                                   "model path)")
+    generation_config: str = setting(
+        "auto", "auto: the sampling defaults of an HF folder's generation_config.json "
+                "(temperature, top_p, top_k, min_p, repetition_penalty) apply where a request "
+                "does not set them, as vLLM's; vllm: the engine's own (temperature 1, no "
+                "top-k/top-p/min-p)")
 
     def __post_init__(self) -> None:
+        _require(self.generation_config in ("auto", "vllm"), "generation_config",
+                 "auto or vllm", self.generation_config)
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
                  "one of auto, bfloat16, float16, float32", self.dtype)
         _require(self.load_format in ("auto", "gguf", "safetensors", "dummy"), "load_format",

@@ -36,6 +36,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` uses when given none: the model's generation_config.json
+        defaults (``generation_config="auto"``), else SamplingParams()'s (vLLM's name)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -49,6 +54,8 @@ class LLM:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         prompts = prompt_list
         # Only final outputs are returned: the engine need not build any before (as vLLM)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _per_prompt(sampling_params, len(prompts))]
         encoded = [self.engine.tokenize_prompt(p) for p in prompts]  # raises on bad input

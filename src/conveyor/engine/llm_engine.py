@@ -56,6 +56,23 @@ PromptType = str | dict[str, Any] | list[int]
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
+def _default_sampling(checkpoint: Checkpoint, generation_config: str) -> dict[str, Any]:
+    """The sampling defaults a request takes where it sets nothing (vLLM's
+    ``--generation-config auto``): generation_config.json's, if they make valid parameters."""
+    defaults = checkpoint.sampling_defaults if generation_config == "auto" else {}
+    if not defaults:
+        return {}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        logger.warning("generation_config.json's sampling defaults %s are not used: %s",
+                       defaults, e)
+        return {}
+    logger.info("sampling defaults from the model's generation_config.json: %s (a request's "
+                "own values win; generation_config='vllm' drops them)", defaults)
+    return dict(defaults)
+
+
 def served_name(model: str | None, path: str) -> str:
     """The API's model id: the file or folder name without .gguf (the default model too)."""
     name = os.path.basename(os.path.normpath(path))
@@ -73,6 +90,7 @@ class LLMEngine:
             # 3's <|eot_id|> beside the tokenizer's <|end_of_text|> (vLLM stops on both)
             self.tokenizer.add_eos_token_ids(self.model_config.eos_token_ids)
         self.model_name = args.served_model_name or served_name(args.model, checkpoint.path)
+        self.default_sampling = _default_sampling(checkpoint, args.generation_config)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.parallel_config = args.parallel_config()

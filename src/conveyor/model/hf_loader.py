@@ -129,6 +129,20 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     )
 
 
+# generation_config.json's keys that are sampling defaults (vLLM's `--generation-config auto`
+# takes the same ones).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(folder: str) -> dict[str, Any]:
+    """The sampling defaults an HF folder's generation_config.json sets (none: {})."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    generation = read_json(path)
+    return {k: generation[k] for k in SAMPLING_DEFAULT_KEYS if generation.get(k) is not None}
+
+
 def load_hf_config(folder: str) -> ModelConfig:
     generation_path = os.path.join(folder, "generation_config.json")
     generation = read_json(generation_path) if os.path.isfile(generation_path) else None

@@ -13,6 +13,7 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from conveyor.model.hf_loader import (
     load_hf_config,
     read_json,
     safetensors_files,
+    sampling_defaults,
 )
 from conveyor.model.parallel import ShardPlan
 from conveyor.tokenizer.tokenizer import Tokenizer
@@ -74,6 +76,8 @@ class Checkpoint:
     format: str  # "gguf" | "safetensors" | "dummy" (no weights: tensors() raises)
     config: ModelConfig
     tokenizer: Tokenizer | None  # None only when no tokenizer was found
+    # generation_config.json's sampling defaults (an HF folder's; {} for GGUF and shapes)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     _tensor_source: Callable[[ShardPlan | None], Iterator[tuple[str, torch.Tensor]]] | None \
         = field(default=None, repr=False)
     _block_source: Callable[[ShardPlan | None], dict[str, tuple[int, torch.Tensor]]] | None \
@@ -134,8 +138,8 @@ def _load_gguf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoin
     if dummy:
         return Checkpoint(path, "dummy", config, tokenizer)
     return Checkpoint(path, "gguf", config, tokenizer,
-                      lambda plan: iter_gguf_tensors(reader, config, plan),
-                      lambda plan: gguf_block_weights(reader, config, plan))
+                      _tensor_source=lambda plan: iter_gguf_tensors(reader, config, plan),
+                      _block_source=lambda plan: gguf_block_weights(reader, config, plan))
 
 
 def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
@@ -151,7 +155,8 @@ def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
         tokenizer = _load_tokenizer(folder)
     source = None if dummy else (
         lambda plan: iter_safetensors(folder, config.tie_word_embeddings, plan))
-    return Checkpoint(path, "dummy" if dummy else "safetensors", config, tokenizer, source)
+    return Checkpoint(path, "dummy" if dummy else "safetensors", config, tokenizer,
+                      sampling_defaults=sampling_defaults(folder), _tensor_source=source)
 
 
 def _shape_preset(model: str | None) -> tuple[str, ModelConfig] | None:

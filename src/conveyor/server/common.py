@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -57,9 +57,10 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    structured_outputs: StructuredOutputsParams | None = None
-                    ) -> SamplingParams:
-    """SamplingParams from a request; ValueError (-> 400) names the bad field."""
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from a request; ValueError (-> 400) names the bad field. ``defaults``
+    (the model's, ``LLMEngine.default_sampling``) fill what the request does not set."""
     check_extra_fields(req)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not supported in a stream", "prompt_logprobs")
@@ -77,7 +78,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
         "prompt_logprobs": req.prompt_logprobs,
     }
-    values = {k: v for k, v in values.items() if v is not None}
+    values = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           skip_special_tokens=req.skip_special_tokens,
