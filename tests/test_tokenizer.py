@@ -101,6 +101,26 @@ def test_continue_final_message_matches_transformers(tok: Tokenizer, hf_tok, sta
                                 continue_final_message=True)
 
 
+def test_generation_blocks_render_as_transformers_renders_them() -> None:
+    """Templates written for training mark the assistant's text with {% generation %}
+    (transformers' extension): it renders as its body; it failed to compile before."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from conveyor.tokenizer.chat_template import render_chat_template
+
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}\n"
+                "{% generation %}\n{{ m.content }}{% endgeneration %}\n{% else %}"
+                "{{ m.content }}{% endif %}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"},
+                {"role": "user", "content": "bye"}]
+    (expected,), _ = render_jinja_template([messages], chat_template=template,
+                                           add_generation_prompt=True)
+    assert render_chat_template(template, messages, True) == expected
+    assert "hello there</s><user>" in expected
+
+
 def test_chat_template_errors(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="list"):
         tok.apply_chat_template("hello")  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
-from jinja2.ext import loopcontrols
+import jinja2.nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -31,11 +32,29 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``, transformers' mark of the assistant's
+    tokens (for training masks, ``return_assistant_tokens_mask``): rendered as its body, as
+    transformers renders it when it does not track them."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Any) -> str:
+        return str(caller())
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    # trim_blocks + lstrip_blocks, loop controls, and these helpers: as transformers sets up.
+    # trim_blocks + lstrip_blocks, loop controls, {% generation %}, and these helpers: as
+    # transformers sets up.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
