@@ -34,6 +34,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.model_name = "scripted"
         self.tokenizer = None
+        self.default_sampling: dict[str, Any] = {}
         self.scheduler_config = SimpleNamespace(max_model_len=128, max_num_seqs=4)
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}

@@ -176,6 +176,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (``LLMEngine.default_sampling``)."""
+        return self.engine.default_sampling
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.scheduler_config.max_model_len
 

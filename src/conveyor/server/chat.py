@@ -195,7 +195,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     try:
         params = sampling_params(req, max_tokens, num_logprobs,
                                  constraint.params if constraint else None,
-                                 state.engine.engine.default_sampling)
+                                 state.engine.default_sampling)
     except ValueError as e:  # "max_tokens must be ...": name the field the request sent
         if not str(e).startswith("max_tokens") or max_tokens_param == "max_tokens":
             raise

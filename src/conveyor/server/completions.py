@@ -94,7 +94,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     echo_only = req.echo and req.max_tokens == 0
     params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                              constraint.params if constraint else None,
-                             state.engine.engine.default_sampling)
+                             state.engine.default_sampling)
     if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
         params = params.replace(prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
     if constraint is not None:
