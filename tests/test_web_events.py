@@ -161,6 +161,41 @@ def test_the_block_map_marks_prompt_blocks_that_running_requests_share(
     wait_idle(server)
 
 
+def test_a_stream_opened_later_learns_of_the_requests_already_waiting(
+        tiny_llama_dir: Any) -> None:
+    """One request runs at a time: the others wait. A second page (or a reload) that opens
+    its stream while they wait is told of them as arrived, though the first page was told
+    when they came."""
+    proc = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
+                        "--kv-cache-memory", "1MiB", "--max-model-len", "1024",
+                        "--max-num-seqs", "1")
+    try:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="unused")
+        with open_events(proc, {}) as first, ThreadPoolExecutor(3) as pool:
+            first_stream = events(first)
+            assert next(first_stream)[0] == "info"
+            futures = [pool.submit(client.completions.create, model=proc.model, prompt=p,
+                                   max_tokens=300, temperature=0,
+                                   extra_body={"ignore_eos": True})
+                       for p in ("one", "two", "three")]
+            seen = steps_until(first_stream, lambda e: e["num_requests_waiting"] == 2)
+            waiting = {r for e in seen for s in e["steps"] for r in s["arrived"]}
+            with open_events(proc, {}) as second:
+                second_stream = events(second)
+                assert next(second_stream)[0] == "info"
+                told = steps_until(second_stream, lambda e: any(s["arrived"]
+                                                                for s in e["steps"]))
+                arrived = {r for e in told for s in e["steps"] for r in s["arrived"]}
+            running = {rid for e in seen for s in e["steps"] for rid, _, _ in s["scheduled"]}
+            assert arrived & (waiting - running)  # told of a request that came before it
+            for f in futures:
+                f.result()
+        wait_idle(proc)
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+        proc.remove_log()
+
+
 def test_the_api_key_guards_events_and_load_not_the_page(server: ServerProcess) -> None:
     url = server.base_url
     for headers in ({}, {"Authorization": "Bearer wrong"}):

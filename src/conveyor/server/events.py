@@ -57,8 +57,9 @@ class StepSummary:
     scheduled: tuple[tuple[str, int, str], ...]
     preempted: tuple[str, ...]
     # Request ids waiting after this step that were not waiting after the previous one
-    # recorded (new requests, preempted ones back in the queue): the page marks them waiting
-    # until they run, so the full waiting list need not travel every step.
+    # recorded (new requests, preempted ones back in the queue; after a stream opens, every
+    # waiting one, for the newcomer): the page marks them waiting until they run, so the full
+    # waiting list need not travel every step.
     arrived: tuple[str, ...]
     finished: tuple[str, ...]
     num_waiting: int
@@ -153,6 +154,9 @@ class EngineEvents:
             collections.deque(maxlen=MAX_LATENCY_SAMPLES))
         self._rates: collections.deque[tuple[float, int]] = collections.deque()  # event loop
         self._prev_waiting: frozenset[str] = frozenset()  # loop thread only
+        # Set by a new subscriber (event loop), taken by the loop thread: the next step lists
+        # every waiting request as arrived, so the newcomer learns of those already waiting.
+        self._resend_waiting = False
         self._last_map_time = 0.0  # loop thread only
         # StepTrace.time is perf_counter(); the page wants wall-clock times.
         self._clock_offset = time.time() - time.perf_counter()
@@ -170,6 +174,9 @@ class EngineEvents:
             logger.exception("recording a step for the live view failed")
 
     def _record(self, trace: StepTrace) -> None:
+        if self._resend_waiting:
+            self._resend_waiting = False
+            self._prev_waiting = frozenset()
         waiting = frozenset(trace.waiting)
         summary = StepSummary(
             trace.step, trace.time + self._clock_offset, trace.duration * 1e3,
@@ -218,6 +225,7 @@ class EngineEvents:
         subscriber = Subscriber()
         self._subscribers.add(subscriber)
         self._num_subscribers = len(self._subscribers)
+        self._resend_waiting = True
         try:
             yield sse("info", self.info())
             while not self._closed:
