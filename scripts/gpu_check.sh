@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU run for issue 14: the gpu-marked tests, then its benchmarks, with the bare-matmul
-# roofline measured in the same run and HF transformers `generate` as the peer; ~10 minutes
-# on one H200. Every result lands under $OUT (the device tool's output folder; else
+# roofline measured in the same run and HF transformers `generate` as the peer. On one H200
+# (2026-12-04) the steps took: tests 35-62 s, smollm2 20, qwen3-nano-vllm 35, llama3-8b 34,
+# smollm2-async 12, host-profile 21, hf-peer-llama3 23, hf-peer-smollm2 ~35; hf-peer-qwen3
+# ran past 170 s (its limit is now 300). Past the device tool's 10 minutes a command, so split
+# it with GPU_CHECK_STEPS: all but hf-peer-qwen3 (~4-5 min), then hf-peer-qwen3 alone. Every result lands under $OUT (the device tool's output folder; else
 # bench-results/gpu), at most 8 files:
 #   gpu_check.log                  every command and its output, and each step's time and rc
 #   pytest.log                     tests marked gpu (test_gpu, test_cuda_graphs, and
