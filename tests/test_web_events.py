@@ -165,20 +165,28 @@ def test_a_stream_opened_later_learns_of_the_requests_already_waiting(
         tiny_llama_dir: Any) -> None:
     """One request runs at a time: the others wait. A second page (or a reload) that opens
     its stream while they wait is told of them as arrived, though the first page was told
-    when they came."""
+    when they came. (Four of 1000 tokens: the tiny model makes ~2000 a second here, and the
+    events come every 0.2 s.)"""
     proc = start_server("--model", str(tiny_llama_dir), "--dtype", "float32",
                         "--kv-cache-memory", "1MiB", "--max-model-len", "1024",
                         "--max-num-seqs", "1")
     try:
         client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="unused")
-        with open_events(proc, {}) as first, ThreadPoolExecutor(3) as pool:
+        with open_events(proc, {}) as first, ThreadPoolExecutor(4) as pool:
             first_stream = events(first)
             assert next(first_stream)[0] == "info"
             futures = [pool.submit(client.completions.create, model=proc.model, prompt=p,
-                                   max_tokens=300, temperature=0,
+                                   max_tokens=1000, temperature=0,
                                    extra_body={"ignore_eos": True})
-                       for p in ("one", "two", "three")]
-            seen = steps_until(first_stream, lambda e: e["num_requests_waiting"] == 2)
+                       for p in ("one", "two", "three", "four")]
+
+            def some_wait(event: dict[str, Any]) -> bool:
+                for f in futures:  # a request that failed fails the test now, saying why
+                    if f.done() and f.exception() is not None:
+                        raise AssertionError(f"a request failed: {f.exception()!r}")
+                return event["num_requests_waiting"] >= 1
+
+            seen = steps_until(first_stream, some_wait)
             waiting = {r for e in seen for s in e["steps"] for r in s["arrived"]}
             with open_events(proc, {}) as second:
                 second_stream = events(second)
