@@ -1,15 +1,21 @@
 """Paged-attention steps built as the runner builds them (decodes first, then prefill chunks,
 each sequence on scattered blocks of a cache full of random values), and the check of a kernel
 backend against the torch reference path, for tests/test_triton_attention.py (CPU, Triton's
-interpreter) and tests/test_gpu_attention.py (CUDA)."""
+interpreter) and tests/test_gpu_attention.py (CUDA); an engine on a backend against the
+reference ops, and Triton's compile for GPUs in a process of its own, for those and
+tests/test_triton_ops.py."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 from conveyor.attention.metadata import AttentionMetadata, PrefillChunk
@@ -107,3 +113,27 @@ def generate_on(llm: Any, backend: ReferenceBackend, prompts: list[list[int]], p
     kv_free(llm)
     return [(list(o.outputs[0].token_ids),
              [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def assert_generates_as_reference(llm: Any, backend: ReferenceBackend,
+                                  prompts: list[list[int]], params: Any,
+                                  kv_free: Callable[[Any], None]) -> None:
+    """``backend`` gives the reference ops' greedy tokens, and their logprobs to 1e-4 (the
+    reference ops run first: their prompts' full blocks may then be prefix-cache hits)."""
+    reference_out = generate_on(llm, ReferenceBackend(), prompts, params, kv_free)
+    backend_out = generate_on(llm, backend, prompts, params, kv_free)
+    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, backend_out, strict=True):
+        assert ids == ref_ids
+        assert lp == pytest.approx(ref_lp, abs=1e-4)
+
+
+def compile_in_subprocess(code: str, cache_dir: Any) -> list[list[str]]:
+    """Run ``code`` (which compiles Triton kernels for GPUs and prints a line per kernel) in a
+    Python process of its own, without ``TRITON_INTERPRET`` (this process imported triton to
+    interpret); its output's lines, split."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split() for line in result.stdout.splitlines()]

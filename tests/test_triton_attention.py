@@ -8,14 +8,16 @@ check (compilation, tensor-core numerics, speed) is in tests/test_gpu_attention.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from attention_cases import Seq, check_against_reference, generate_on, make_step
+from attention_cases import (
+    Seq,
+    assert_generates_as_reference,
+    check_against_reference,
+    compile_in_subprocess,
+    make_step,
+)
 from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.attention.cuda_backend import cuda_paged_attention_backend, paged_attention_kernel
@@ -100,12 +102,7 @@ def test_kernel_compiles_for_gpus(tmp_path) -> None:
     tl.dot operand types, the early exit) to a cubin for sm_90 and sm_80, for a head_dim under
     tl.dot's smallest K (the tiny GQA test model's 8) too. In a process of its own: here
     triton was imported to interpret."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
+    lines = compile_in_subprocess(COMPILE, tmp_path)
     assert [line[:2] for line in lines] == [["(9,", "0)"], ["(8,", "0)"], ["(9,", "0)"]]
     assert all(int(cubin) > 0 and int(shared) > 0 for *_, cubin, shared in lines)
 
@@ -183,12 +180,8 @@ def test_an_engine_whose_backend_has_the_kernel_generates_as_the_reference(
     prompts = [shared + list(range(100, 117)), shared + list(range(200, 205)),
                list(range(300, 331))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    reference_out = generate_on(llm, ReferenceBackend(), prompts, params, kv_free)
-    # its prompts' full blocks are cached: chunks on a prefix
-    triton_out = generate_on(llm, _TritonBackend(), prompts, params, kv_free)
-    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
-        assert ids == ref_ids
-        assert lp == pytest.approx(ref_lp, abs=1e-4)
+    # (the Triton run's prompts find their full blocks cached: chunks on a prefix)
+    assert_generates_as_reference(llm, _TritonBackend(), prompts, params, kv_free)
 
 
 def test_graph_padded_decode_steps_through_the_kernel_generate_as_the_reference(

@@ -11,13 +11,11 @@ below the reference's (the tolerances below take that).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from attention_cases import generate_on
+from attention_cases import assert_generates_as_reference, compile_in_subprocess
 from conftest import TINY_KV_MEMORY
 from conveyor import LLM, SamplingParams
 from conveyor.ops import ReferenceBackend, reference
@@ -144,11 +142,7 @@ def test_an_engine_on_the_triton_ops_generates_as_the_reference(arch, tiny_model
               kv_cache_memory=TINY_KV_MEMORY, max_model_len=256, max_num_batched_tokens=24)
     prompts = [list(range(40, 77)), list(range(200, 205)), list(range(300, 331))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    reference_out = generate_on(llm, ReferenceBackend(), prompts, params, kv_free)
-    triton_out = generate_on(llm, _TritonOpsBackend(), prompts, params, kv_free)
-    for (ref_ids, ref_lp), (ids, lp) in zip(reference_out, triton_out, strict=True):
-        assert ids == ref_ids
-        assert lp == pytest.approx(ref_lp, abs=1e-4)
+    assert_generates_as_reference(llm, _TritonOpsBackend(), prompts, params, kv_free)
 
 
 COMPILE = """
@@ -180,10 +174,5 @@ def test_kernels_compile_for_gpus(tmp_path) -> None:
     """What the interpreter does not check: that Triton compiles each kernel to a cubin for
     sm_90 (the H200) and sm_80. In a process of its own: here triton was imported to
     interpret."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
+    lines = compile_in_subprocess(COMPILE, tmp_path)
     assert len(lines) == 6 and all(int(size) > 0 for *_, size in lines)
