@@ -134,19 +134,16 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_defaults(folder: str) -> dict[str, Any]:
-    """The sampling defaults an HF folder's generation_config.json sets (none: {})."""
+def read_generation_config(folder: str) -> dict[str, Any] | None:
+    """An HF folder's parsed generation_config.json (None: it has none)."""
     path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    generation = read_json(path)
-    return {k: generation[k] for k in SAMPLING_DEFAULT_KEYS if generation.get(k) is not None}
+    return read_json(path) if os.path.isfile(path) else None
 
 
-def load_hf_config(folder: str) -> ModelConfig:
-    generation_path = os.path.join(folder, "generation_config.json")
-    generation = read_json(generation_path) if os.path.isfile(generation_path) else None
-    return hf_model_config(read_json(os.path.join(folder, "config.json")), generation)
+def sampling_defaults(generation: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling defaults a parsed generation_config.json sets (none: {})."""
+    return {k: generation[k] for k in SAMPLING_DEFAULT_KEYS
+            if generation is not None and generation.get(k) is not None}
 
 
 def safetensors_files(folder: str) -> list[str]:

@@ -27,7 +27,7 @@ from conveyor.model.gguf_loader import (
 from conveyor.model.hf_loader import (
     hf_model_config,
     iter_safetensors,
-    load_hf_config,
+    read_generation_config,
     read_json,
     safetensors_files,
     sampling_defaults,
@@ -145,18 +145,20 @@ def _load_gguf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoin
 def _load_hf(path: str, dummy: bool, tokenizer: Tokenizer | None) -> Checkpoint:
     if os.path.isfile(path):  # a config.json (dummy only)
         folder = os.path.dirname(path) or "."
+        generation = read_generation_config(folder)
         config = hf_model_config(read_json(path))
     else:
         folder = path
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"no config.json in {folder}")
-        config = load_hf_config(folder)
+        generation = read_generation_config(folder)  # (its eos ids, its sampling defaults)
+        config = hf_model_config(read_json(os.path.join(folder, "config.json")), generation)
     if tokenizer is None:
         tokenizer = _load_tokenizer(folder)
     source = None if dummy else (
         lambda plan: iter_safetensors(folder, config.tie_word_embeddings, plan))
     return Checkpoint(path, "dummy" if dummy else "safetensors", config, tokenizer,
-                      sampling_defaults=sampling_defaults(folder), _tensor_source=source)
+                      sampling_defaults=sampling_defaults(generation), _tensor_source=source)
 
 
 def _shape_preset(model: str | None) -> tuple[str, ModelConfig] | None:
