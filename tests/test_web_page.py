@@ -22,6 +22,9 @@ from web_fixtures import browser_page, firefox_session, screenshot_on_failure
 pytestmark = pytest.mark.slow  # loads the default model
 
 LAST_ANSWER = "#messages .msg.assistant:last-child"
+# The answer the stop tests interrupt: greedy SmolLM2 writes the dragon story to this length
+# without an EOS (~10 s on two cores), long past what a loaded browser takes to press Stop.
+STORY_TOKENS = 1500
 # Greedy SmolLM2-135M-Instruct: "The capital of France is Paris. It's a city steeped in history
 # and ...", 40 tokens and more. (An 8-token answer could reach a loaded browser in one render,
 # which the streaming checks would take for an answer that arrived whole.)
@@ -40,7 +43,8 @@ WATCH_ANSWER = """() => {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = start_server("--max-model-len", "256", "--kv-cache-memory", "64MiB")
+    # (room for the stop tests' long answers: 1500 greedy tokens, ~10 s, no EOS before)
+    proc = start_server("--max-model-len", "2048", "--kv-cache-memory", "64MiB")
     try:
         yield proc
     finally:
@@ -96,9 +100,9 @@ def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess,
                                                tmp_path: Any) -> None:
     with screenshot_on_failure(page, tmp_path, "stop"):
         page.click("#new-chat")  # a fresh conversation whatever the test before left
-        ask(page, "Write a long story about a dragon who learns to sail.", 200)
-        # Stop as soon as the server runs it: the answer takes ~1-2 s, and a loaded browser
-        # once rendered its first 20 characters only after it had ended (CI, 2026-12-04).
+        ask(page, "Write a long story about a dragon who learns to sail.", STORY_TOKENS)
+        # Stop as soon as the server runs it. A 200-token answer (~1.5 s) ended in CI before a
+        # loaded browser had shown 20 characters of it, and once before Stop was clicked.
         deadline = time.monotonic() + 60
         while not running(server) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -110,7 +114,7 @@ def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess,
         assert running(server) == 0
         stats = page.inner_text(f"{LAST_ANSWER} .stats")
         assert "stopped" in stats
-        assert int(stats.split()[0]) < 200
+        assert int(stats.split()[0]) < STORY_TOKENS
         metrics = wait_idle(server)
         assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
 
