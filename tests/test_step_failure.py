@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import openai
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.outputs import SchedulerOutput
 from conveyor.engine.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from server_fixtures import ServerProcess, metric_value, start_server
 
@@ -116,6 +118,67 @@ def test_failed_post_processing_fails_only_its_request(two_seq_llm, monkeypatch,
     assert len(outputs[1].outputs[0].token_ids) == 3
     assert [o.outputs[0].token_ids for i, o in enumerate(outputs) if i != 1] == \
         [e for i, e in enumerate(expected) if i != 1]
+    kv_free(llm)
+
+
+def _swap_llm(tiny_llama_dir) -> LLM:
+    """16 KV blocks, room on the host for 3: of two requests preempted in one step, the
+    first can be swapped out and the other is recomputed (step 70 of MIXED_PROMPTS)."""
+    block = 16 * 1024  # one 16-token block of the tiny model in float32
+    return LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 * block,
+               max_model_len=1024, preemption="swap", swap_space=3 * block / 2**30)
+
+
+def _mixed_prompts() -> list[dict[str, list[int]]]:
+    rng = random.Random(7)
+    return [{"prompt_token_ids": [rng.randrange(2, 400) for _ in range(rng.randrange(3, 61))]}
+            for _ in range(32)]
+
+
+def _watch_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                 on_schedule: Callable[[SchedulerOutput], None]) -> None:
+    schedule = llm.engine.scheduler.schedule
+
+    def watched() -> SchedulerOutput:
+        out = schedule()
+        on_schedule(out)
+        return out
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", watched)
+
+
+def test_failed_swap_step_fails_only_the_swapped_out(tiny_llama_dir, monkeypatch, kv_free):
+    """A step that swaps one request out and preempts another for recompute fails: the
+    swapped one's KV copy may not have run (it ends), the recomputed one lost nothing."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    mixed: list[SchedulerOutput] = []
+    llm = _swap_llm(tiny_llama_dir)
+    _watch_steps(llm, monkeypatch, lambda out: mixed.append(out) if out.swapped_out_request_ids
+                 and out.preempted_request_ids - out.swapped_out_request_ids else None)
+    prompts = _mixed_prompts()
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert mixed, "the workload no longer preempts two requests in one step: retune it"
+    target = mixed[0]
+    recomputed = target.preempted_request_ids - target.swapped_out_request_ids
+    ran = {s.request_id for s in target.scheduled}
+    failing = {"now": False}
+    llm = _swap_llm(tiny_llama_dir)
+    _watch_steps(llm, monkeypatch,
+                 lambda out: failing.update(now=out.step_id == target.step_id))
+    step = llm.engine.runner.model.step
+
+    def failing_step(*args: Any, **kwargs: Any) -> Any:
+        if failing["now"]:
+            raise RuntimeError(INJECTED)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner.model, "step", failing_step)
+    outputs = {o.request_id: o.outputs[0] for o in llm.generate(prompts, params)}
+    errors = {i for i, o in outputs.items() if o.finish_reason == "error"}
+    assert errors == ran | target.swapped_out_request_ids
+    for request_id in recomputed:
+        assert outputs[request_id].finish_reason == "length"
+        assert outputs[request_id].token_ids == expected[int(request_id)]
     kv_free(llm)
 
 

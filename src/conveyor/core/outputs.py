@@ -69,6 +69,7 @@ class SchedulerOutput:
     # Preempted this step: informational (traces, a failed step's cleanup); the runner keeps
     # their sampling state and rebuilds their tokens from new_requests when they resume.
     preempted_request_ids: set[str] = field(default_factory=set)
+    swapped_out_request_ids: set[str] = field(default_factory=set)  # (the rest: recompute)
     # Block copies to run before the forward pass, swap-outs first (a block a swap-out
     # frees may be reused by a swap-in or written by this very step):
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks

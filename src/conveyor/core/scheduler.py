@@ -167,6 +167,7 @@ class Scheduler:
                                scheduled=list(step.scheduled.values()),
                                finished_request_ids=finished,
                                preempted_request_ids=step.preempted,
+                               swapped_out_request_ids=step.swapped_out,
                                swap_out=step.swap_out, swap_in=step.swap_in)
         self._step_started = time.perf_counter()
         return output
@@ -312,6 +313,7 @@ class Scheduler:
         if self.config.preemption == "swap" and self.kv_cache.can_swap_out(request):
             copies = self.kv_cache.swap_out(request)
             step.swap_out.extend(copies)
+            step.swapped_out.add(request.request_id)
             request.swapped_out = True
             self.stats.num_swapped_blocks += len(copies)
         else:
@@ -443,6 +445,7 @@ class _StepBuilder:
         self.scheduled: dict[str, ScheduledRequest] = {}
         self.new_requests: list[NewRequestData] = []
         self.preempted: set[str] = set()
+        self.swapped_out: set[str] = set()
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
 

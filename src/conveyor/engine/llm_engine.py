@@ -502,8 +502,9 @@ class LLMEngine:
         failed = {s.request_id for s in out.scheduled
                   if self.scheduler.live_request(out, s.request_id) is not None}
         self.scheduler.step_failed(out)
-        if out.swap_out:  # the copy of the preempted requests' KV to host may not have run
-            failed |= out.preempted_request_ids
+        # the copy of the swapped-out requests' KV to host may not have run (those
+        # preempted for recompute lost nothing: they start again from their tokens)
+        failed |= out.swapped_out_request_ids
         groups = {self._sequences[i][0].request_id for i in failed if i in self._sequences}
         outputs = self._end_requests(sorted(groups), RequestStatus.FINISHED_ERROR)
         if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
