@@ -57,6 +57,20 @@ def test_seed_is_independent_of_the_batch(tiny_llm, others, kv_free) -> None:
     kv_free(tiny_llm)
 
 
+def test_negative_seeds_are_seeds(tiny_llm, kv_free) -> None:
+    """Any 64-bit signed seed is taken (vLLM and OpenAI take them): reproducible, its own."""
+    negative = SamplingParams(temperature=1.0, seed=-1234, max_tokens=16, ignore_eos=True)
+    first = _ids(tiny_llm, PROMPT, negative)
+    assert _ids(tiny_llm, PROMPT, negative) == first
+    assert _ids(tiny_llm, PROMPT, negative.replace(seed=1234)) != first
+    low = _ids(tiny_llm, PROMPT, negative.replace(seed=-(2**63), n=2))
+    assert low == _ids(tiny_llm, PROMPT, negative.replace(seed=-(2**63), n=2))
+    for bad in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError, match="seed"):
+            negative.replace(seed=bad)
+    kv_free(tiny_llm)
+
+
 def test_seed_survives_preemption(tiny_llama_dir, others, kv_free) -> None:
     """A resumed seeded request continues its random stream; it does not restart it."""
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=6 * 16 * 1024,

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 # Bounds on what one request may ask for: they keep one request from hogging the engine.
 MAX_N = 16
 MAX_LOGPROBS = 20
-# torch generators take seeds below 2**64; sample i of n uses seed + i.
-MAX_SEED = 2**63 - 1
+# Any 64-bit signed seed, as vLLM and OpenAI take it (torch's generators read a negative one
+# modulo 2**64); sample i of n uses seed + i.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # Below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS): logits / 1e-40
 # overflow to inf, and the softmax of that is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -183,8 +184,8 @@ class SamplingParams:
             _check(self.min_tokens <= self.max_tokens,
                    f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.seed is not None:
-            _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
-                   f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+            _check(isinstance(self.seed, int) and MIN_SEED <= self.seed <= MAX_SEED,
+                   f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
                    f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
