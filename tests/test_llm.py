@@ -527,16 +527,17 @@ def test_generation_config_sampling_defaults_apply_where_nothing_is_set(
     (here 0: greedy) and top_k are the defaults of a `generate` call without parameters;
     `generation_config="vllm"` drops them (temperature 1: sampled)."""
     folder = _with_generation_config(tiny_model_factory, "gen-config", temperature=0.0,
-                                     top_k=5, do_sample=False)
+                                     top_k=5, do_sample=False, max_new_tokens=7)
     prompts = [[5, 6, 7, 8], [40, 41, 42], [300, 2, 9, 17, 4]]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY)
-    assert llm.engine.default_sampling == {"temperature": 0.0, "top_k": 5}
+    assert llm.engine.default_sampling == {"temperature": 0.0, "top_k": 5, "max_tokens": 7}
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_k) == (0.0, 5)
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 5, 7)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     unset = [o.outputs[0].token_ids for o in llm.generate(prompts)]
     assert [ids[:len(u)] for ids, u in zip(expected, unset, strict=True)] == unset
+    assert max(len(u) for u in unset) == 7  # max_new_tokens (those shorter met EOS)
     kv_free(llm)
     plain = LLM(model=folder, dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
                 generation_config="vllm")

@@ -452,13 +452,14 @@ def test_metrics_use_vllm_names(server: ServerProcess):
 
 
 def test_requests_take_the_models_generation_config_defaults(tiny_model_factory) -> None:
-    """A model whose generation_config.json sets temperature 0: a request that sets no
-    temperature is greedy, token for token as one that asks for temperature 0; one that
-    sets its own temperature keeps it."""
+    """A model whose generation_config.json sets temperature 0 and max_new_tokens 5: a
+    request that sets no temperature is greedy, token for token as one that asks for
+    temperature 0; one that sets its own temperature keeps it. One without max_tokens
+    (null) gets 5 tokens, one that asks for more gets them."""
     folder = tiny_model_factory("server-gen-config", "llama")
     path = folder / "generation_config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**config, "temperature": 0.0}))
+    path.write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 5}))
     server = start_server("--model", str(folder), "--dtype", "float32",
                           "--kv-cache-memory", "1MiB")
     try:
@@ -475,6 +476,9 @@ def test_requests_take_the_models_generation_config_defaults(tiny_model_factory)
         assert tokens() == greedy and tokens(seed=7) == greedy
         sampled = [tokens(temperature=1.5, seed=s) for s in range(3)]
         assert any(s != greedy for s in sampled)  # its own temperature is kept
+        unset = client.completions.create(model=server.model, prompt=prompt, max_tokens=None,
+                                          extra_body={"ignore_eos": True})
+        assert unset.usage.completion_tokens == 5
     finally:
         assert server.stop() == 0, server.log_tail()
         server.remove_log()

@@ -166,9 +166,9 @@ class LoadConfig:
                                                   "model path)")
     generation_config: str = setting(
         "auto", "auto: the sampling defaults of an HF folder's generation_config.json "
-                "(temperature, top_p, top_k, min_p, repetition_penalty) apply where a request "
-                "does not set them, as vLLM's; vllm: the engine's own (temperature 1, no "
-                "top-k/top-p/min-p)")
+                "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as "
+                "max_tokens) apply where a request does not set them, as vLLM's; vllm: the "
+                "engine's own (temperature 1, no top-k/top-p/min-p)")
 
     def __post_init__(self) -> None:
         _require(self.generation_config in ("auto", "vllm"), "generation_config",

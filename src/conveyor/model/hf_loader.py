@@ -129,9 +129,12 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     )
 
 
-# generation_config.json's keys that are sampling defaults (vLLM's `--generation-config auto`
-# takes the same ones).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's keys that are sampling defaults, by their SamplingParams names
+# (vLLM's `--generation-config auto` takes the same ones; transformers' max_new_tokens is
+# max_tokens).
+SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                         "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                         "max_new_tokens": "max_tokens"}
 
 
 def read_generation_config(folder: str) -> dict[str, Any] | None:
@@ -142,8 +145,8 @@ def read_generation_config(folder: str) -> dict[str, Any] | None:
 
 def sampling_defaults(generation: dict[str, Any] | None) -> dict[str, Any]:
     """The sampling defaults a parsed generation_config.json sets (none: {})."""
-    return {k: generation[k] for k in SAMPLING_DEFAULT_KEYS
-            if generation is not None and generation.get(k) is not None}
+    return {name: generation[key] for key, name in SAMPLING_DEFAULT_KEYS.items()
+            if generation is not None and generation.get(key) is not None}
 
 
 def safetensors_files(folder: str) -> list[str]:

@@ -60,7 +60,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
                     structured_outputs: StructuredOutputsParams | None = None,
                     defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """SamplingParams from a request; ValueError (-> 400) names the bad field. ``defaults``
-    (the model's, ``LLMEngine.default_sampling``) fill what the request does not set."""
+    (the model's, ``LLMEngine.default_sampling``) fill what the request does not set (a
+    default max_tokens, as any, is capped by the context left, not refused)."""
     check_extra_fields(req)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not supported in a stream", "prompt_logprobs")
@@ -76,10 +77,11 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "logit_bias": _token_bias(req.logit_bias),
         "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
-        "prompt_logprobs": req.prompt_logprobs,
+        "prompt_logprobs": req.prompt_logprobs, "max_tokens": max_tokens,
     }
-    values = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
-    return SamplingParams(**values, max_tokens=max_tokens, stop=tuple(stop),
+    values = {"max_tokens": None, **(defaults or {}),
+              **{k: v for k, v in values.items() if v is not None}}
+    return SamplingParams(**values, stop=tuple(stop),
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           skip_special_tokens=req.skip_special_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
