@@ -60,6 +60,44 @@ def test_the_routers_pending_reasons_are_bounded(monkeypatch) -> None:
     assert next(iter(router._reasons)) == "r150" and "r249" in router._reasons
 
 
+def test_the_web_pages_requests_all_go_to_the_live_views_replica() -> None:
+    """`/v1/engine/*` and requests with the page's header go to one replica (the smallest
+    name) under both routers; other requests are left to the router's own choice."""
+    from conveyor.deploy import routing
+    from conveyor.deploy.bridge import is_live_view
+
+    assert is_live_view("/v1/engine/events", []) and is_live_view("/v1/engine/load", [])
+    assert is_live_view("/v1/chat/completions", [(b"X-Conveyor-Live-View", b"1")])
+    assert not is_live_view("/v1/chat/completions", [(b"content-type", b"application/json")])
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+                for name in ("m2", "a7", "q1")]
+
+    def pending(path: str, headers: list[tuple[bytes, bytes]]) -> SimpleNamespace:
+        forwarded = ForwardedRequest("POST", path, b"", headers, b"{}",
+                                     live_view=is_live_view(path, headers))
+        return SimpleNamespace(args=[forwarded], metadata=SimpleNamespace(request_id="r"))
+
+    live = pending("/v1/chat/completions", [(b"x-conveyor-live-view", b"1")])
+    for cls in (routing.PowerOfTwoRouter, routing.PrefixAffinityRouter):
+        router = cls.__new__(cls)
+        router.initialize_state()
+        for request in (live, pending("/v1/engine/load", [])):
+            chosen = asyncio.run(router.choose_replicas(replicas, request))
+            assert [[r.replica_id.unique_id for r in group] for group in chosen] == [["a7"]]
+    assert router._reasons == {"r": "live_view"}  # (the prefix router's counter)
+    assert router.live_view_replica(replicas, pending("/v1/completions", [])) is None
+    assert router.live_view_replica([], live) is None
+
+    def pinned(names: tuple[str, ...]) -> str:
+        chosen = router.live_view_replica(
+            [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n)) for n in names], live)
+        assert chosen is not None
+        return chosen[0][0].replica_id.unique_id
+
+    assert pinned(("m2", "a7", "0b")) == "a7"  # one that joins later does not take over
+    assert pinned(("m2", "0b")) == "0b"  # when it is gone, the smallest of the others
+
+
 def test_routing_text_reads_prompts_and_messages_in_order() -> None:
     chat = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}

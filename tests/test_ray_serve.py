@@ -167,6 +167,28 @@ def test_prefix_routing_keeps_a_system_prompt_on_one_replica(replicas: ServerPro
     assert grew("conveyor:prefix_cache_hits_total", replica=home) >= 5 * 16
 
 
+def test_the_web_page_watches_the_replica_that_runs_its_requests(
+        replicas: ServerProcess) -> None:
+    """The live view's stream, the load button and the page's chat (its header) all reach
+    one replica, whatever the prefix router would have chosen for the chat."""
+    url = replicas.base_url
+    page = {"X-Conveyor-Live-View": "1"}
+    chosen = []
+    for i in range(4):
+        with httpx.stream("GET", url + "/v1/engine/events", timeout=60) as events:
+            assert events.status_code == 200
+            chosen.append(events.headers["x-conveyor-replica"])
+        load = httpx.post(url + "/v1/engine/load", json={"num_requests": 1, "max_tokens": 2},
+                          timeout=60)
+        assert load.status_code == 200, load.text
+        system = (SYSTEM_A, SYSTEM_B)[i % 2]  # (prefix affinity would split these)
+        chat = httpx.post(url + "/v1/chat/completions", json=_chat(system, f"page {i}"),
+                          headers=page, timeout=60)
+        assert chat.status_code == 200, chat.text
+        chosen += [load.headers["x-conveyor-replica"], chat.headers["x-conveyor-replica"]]
+    assert len(set(chosen)) == 1, chosen
+
+
 def test_one_request_id_header_the_replicas_own(replicas: ServerProcess) -> None:
     url = replicas.base_url + "/v1/chat/completions"
     fresh = httpx.post(url, json=_chat(SYSTEM_B, "an id"), timeout=60)
@@ -212,6 +234,11 @@ def test_build_app_on_a_running_cluster_with_pow2_routing(replicas: ServerProces
                    for r in set(chosen)}
         assert sum(counted.values()) == 9 and set(_live_replicas(metrics)) == set(chosen)
         assert "conveyor:routing_decisions_total{" not in metrics  # the prefix router's
+        with ThreadPoolExecutor(8) as pool:  # the page's requests: one replica, however busy
+            pinned = list(pool.map(lambda i: httpx.post(
+                base + "/v1/completions", timeout=120, headers={"X-Conveyor-Live-View": "1"},
+                json={"prompt": f"page {i}", "max_tokens": 8, "temperature": 0}), range(8)))
+        assert len({a.headers["x-conveyor-replica"] for a in pinned}) == 1
     finally:
         serve.delete("pow2")
 

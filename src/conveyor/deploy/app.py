@@ -38,12 +38,13 @@ def build_app(engine_args: EngineArgs | None = None, server_config: ServerConfig
     num_replicas = deploy_config.replicas or 1
     options = replica_options(num_replicas, replica_cpus(num_replicas, _cpus()),
                               engine_args.max_num_seqs, server_config)
-    if deploy_config.routing == "prefix":
-        options["request_router_config"] = RequestRouterConfig(
-            # by import path: Ray imports it in the front door's process
-            request_router_class="conveyor.deploy.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
-            request_router_kwargs={
-                "imbalance_threshold": deploy_config.routing_imbalance_threshold})
+    prefix = deploy_config.routing == "prefix"
+    options["request_router_config"] = RequestRouterConfig(
+        # by import path: Ray imports it in the front door's process
+        request_router_class="conveyor.deploy.routing:"  # type: ignore[arg-type]
+                             + ("PrefixAffinityRouter" if prefix else "PowerOfTwoRouter"),
+        request_router_kwargs={"imbalance_threshold": deploy_config.routing_imbalance_threshold}
+        if prefix else {})
     hub_name = f"conveyor-metrics:{app_name}"
     engine = serve.deployment(**options)(EngineReplica).bind(engine_args, server_config,
                                                               hub_name)

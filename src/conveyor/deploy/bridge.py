@@ -20,6 +20,10 @@ from starlette.types import ASGIApp, Message
 
 # Paths whose JSON body holds the prompt the prefix router looks at.
 _PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The web page's live view and load button (conveyor.server.webui), and the header the page
+# puts on all its requests (its chat too): these go to one replica, the live view's.
+LIVE_VIEW_PATH_PREFIX = "/v1/engine/"
+LIVE_VIEW_HEADER = b"x-conveyor-live-view"
 # How long a replica's app may take to end after its client went away.
 APP_EXIT_TIMEOUT_S = 5.0
 
@@ -37,6 +41,7 @@ class ForwardedRequest:
     # What the prefix router matches on: the prompt, or the messages' roles and contents in
     # order (the system prompt first); None for requests without one.
     routing_text: str | None = field(default=None)
+    live_view: bool = False  # the router sends it to the live view's replica (`is_live_view`)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,14 @@ class ResponseStart:
     def is_event_stream(self) -> bool:
         return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                    for k, v in self.headers)
+
+
+def is_live_view(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request belongs with the live view: `/v1/engine/*`, or the web page's own
+    (it sends the live-view header), so that the page watches the engine that runs its
+    chat and its load burst."""
+    return path.startswith(LIVE_VIEW_PATH_PREFIX) or \
+        any(k.lower() == LIVE_VIEW_HEADER for k, _ in headers)
 
 
 def routing_text(path: str, body: bytes) -> str | None:

@@ -19,7 +19,12 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from conveyor.deploy.bridge import ForwardedRequest, ResponseStart, routing_text
+from conveyor.deploy.bridge import (
+    ForwardedRequest,
+    ResponseStart,
+    is_live_view,
+    routing_text,
+)
 from conveyor.deploy.metrics import (
     REPLICA_FAILURES,
     REPLICA_REQUESTS,
@@ -80,10 +85,10 @@ async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:
             break
     path = _app_path(request)
     client = request.client
+    headers = list(request.scope.get("headers", []))
     return ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
-                            list(request.scope.get("headers", [])), bytes(body),
-                            (client.host, client.port) if client else None,
-                            routing_text(path, bytes(body)))
+                            headers, bytes(body), (client.host, client.port) if client else None,
+                            routing_text(path, bytes(body)), is_live_view(path, headers))
 
 
 def _app_path(request: Request) -> str:

@@ -1,4 +1,12 @@
-"""`--routing prefix`: a Ray Serve request router with prefix affinity.
+"""conveyor's Ray Serve request routers: Ray Serve's power of two choices (`--routing pow2`)
+and prefix affinity (`--routing prefix`), both sending the web page's requests to one replica.
+
+The live view's replica: the web page's live view, its load button and its chat
+(`bridge.is_live_view`) all go to one replica (the smallest name when first needed), so the
+page watches the engine that runs its requests; when that replica dies the smallest of the
+others takes over (the page reconnects to it).
+
+Prefix affinity:
 
 Requests whose prompts share a prefix (a system prompt, a few-shot preamble, a chat's
 history) go to the replica that served that prefix before, whose prefix cache still holds
@@ -29,8 +37,37 @@ def replica_name(replica_id: ReplicaID) -> str:
     return str(replica_id.unique_id)
 
 
-class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Power of two choices, except that a prompt goes where its longest prefix went."""
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's power of two choices, except for the live view's requests."""
+
+    _live_view: str | None = None  # the live view's replica, while it lives
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        pinned = self.live_view_replica(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def live_view_replica(self, candidate_replicas: list[RunningReplica],
+                          pending_request: PendingRequest | None
+                          ) -> list[list[RunningReplica]] | None:
+        """The live view's replica for a request that belongs with it (None: any other): the
+        one chosen before while it lives (a replica that joins later does not take over),
+        else the smallest name."""
+        forwarded = _forwarded(pending_request)
+        if forwarded is None or not forwarded.live_view or not candidate_replicas:
+            return None
+        by_name = {replica_name(r.replica_id): r for r in candidate_replicas}
+        if self._live_view not in by_name:
+            self._live_view = min(by_name)
+        return [[by_name[self._live_view]]]
+
+
+class PrefixAffinityRouter(PowerOfTwoRouter):
+    """Power of two choices, except that a prompt goes where its longest prefix went (and
+    the live view's requests to its replica)."""
 
     def initialize_state(self, imbalance_threshold: int = 4,  # type: ignore[override]
                          block_chars: int = DEFAULT_BLOCK_CHARS) -> None:
@@ -41,6 +78,10 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        pinned = self.live_view_replica(candidate_replicas, pending_request)
+        if pinned is not None:
+            self._note(pending_request, "live_view")
+            return pinned
         fallback = await super().choose_replicas(candidate_replicas, pending_request)
         text = _routing_text(pending_request)
         if text is None or not fallback:
@@ -93,10 +134,15 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
                 self._index.remove(name)
 
 
-def _routing_text(pending_request: PendingRequest | None) -> str | None:
+def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
     if pending_request is None:
         return None
     for arg in pending_request.args:
         if isinstance(arg, ForwardedRequest):
-            return arg.routing_text
+            return arg
     return None
+
+
+def _routing_text(pending_request: PendingRequest | None) -> str | None:
+    forwarded = _forwarded(pending_request)
+    return None if forwarded is None else forwarded.routing_text

@@ -8,9 +8,12 @@ const KEY_STORAGE = "conveyor.apiKey";
 const api = {
   key() { return localStorage.getItem(KEY_STORAGE) || ""; },
 
+  // Every request of the page says it is the page's: behind `--replicas` the router sends
+  // them all to one replica, the one the live view watches.
   headers(extra = {}) {
     const key = api.key();
-    return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+    const headers = { ...extra, "X-Conveyor-Live-View": "1" };
+    return key ? { ...headers, Authorization: `Bearer ${key}` } : headers;
   },
 
   // One dialog at a time, however many requests were refused together.
