@@ -48,9 +48,12 @@ from conveyor.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
+from conveyor.server.responses import create_response
 from conveyor.server.webui import add_web_ui
 
 # Paths that need the API key when one is set (health, version and metrics stay open).
@@ -254,6 +257,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/responses", response_model=ResponseObject)
+    async def responses(req: ResponsesRequest, raw: Request) -> Any:
+        return await create_response(state, req, raw)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, joined
-from conveyor.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
@@ -177,11 +177,20 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
                     named=isinstance(choice, NamedToolChoice))
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 raw: Request) -> Response | ChatCompletionResponse:
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request checked, rendered and turned into the engine's terms."""
+
+    ids: list[int]  # the rendered conversation
+    params: SamplingParams
+    plan: ToolPlan
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    """Every check of a chat request (400s naming the field), its sampling parameters, its
+    tools and constraint, its conversation rendered (``/v1/responses`` runs through it too)."""
     check_model(state, req.model)
     num_logprobs = _check_request(req)
-    include_usage = stream_usage(req)
     max_tokens, max_tokens_param = (req.max_tokens, "max_tokens") \
         if req.max_completion_tokens is None else \
         (req.max_completion_tokens, "max_completion_tokens")
@@ -206,8 +215,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
                                   req.chat_template_kwargs, plan.tools, req.continue_final_message)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
+    return PreparedChat(ids, params, plan)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 raw: Request) -> Response | ChatCompletionResponse:
+    include_usage = stream_usage(req)
+    chat = await prepare_chat(state, req)
+    plan = chat.plan
     request_id = f"chatcmpl-{request_id_of(raw)}"
-    streams = await submit(state, [ids], params, request_id, req)
+    streams = await submit(state, [chat.ids], chat.params, request_id, req)
     num_top = req.top_logprobs or 0
     if req.stream:
         return EngineStreamingResponse(
@@ -246,7 +263,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
                   include_usage: bool, plan: ToolPlan, continuous: bool = False
                   ) -> AsyncIterator[str]:
     created = int(time.time())
-    choices: dict[int, _ChoiceStream] = {}
+    choices: dict[int, ChoiceStream] = {}
 
     def chunk(choice: ChatChunkChoice) -> str:
         so_far = usage([final]) if continuous and final is not None else None
@@ -258,7 +275,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
         final = output
         for c in output.outputs:
             if c.index not in choices:  # the role comes first, alone (as OpenAI does)
-                choices[c.index] = _ChoiceStream(
+                choices[c.index] = ChoiceStream(
                     ToolCallStream(plan.parser) if plan.parser else None, plan.named)
                 yield chunk(ChatChunkChoice(index=c.index,
                                             delta=DeltaMessage(role="assistant", content="")))
@@ -273,7 +290,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
 
 
 @dataclass
-class _ChoiceStream:
+class ChoiceStream:
     """What one choice has streamed so far."""
 
     tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)

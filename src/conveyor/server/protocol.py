@@ -416,3 +416,158 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- /v1/responses
+class ResponsesContentPart(_Request):
+    """A text part of an input message (input_text; output_text in an earlier answer)."""
+
+    type: str
+    text: str | None = None
+
+
+class ResponsesInputItem(_Request):
+    """One input item: a message (``type`` "message", or left out with a ``role``), an
+    earlier answer's function call, or a function call's output."""
+
+    type: str | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ResponsesContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ResponsesContentPart] | None = None
+
+
+class ResponsesTool(_Request):
+    """A tool as the Responses API writes it: the function's fields at the top level."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses (stateless: no stored responses). Fields it does not name go to the
+    chat request it runs as (vLLM's sampling extras: top_k, seed, stop, ...)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | Annotated[list[ResponsesInputItem],
+                           Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST)]
+    instructions: str | None = None
+    max_output_tokens: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: ResponsesText | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool = True
+    store: bool = True  # nothing is stored: answered with store false
+    previous_response_id: str | None = None  # needs stored responses: a 400
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    background: bool = False
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: Int64 | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None  # no reasoning parser: ignored
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseInputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class ResponseOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails = Field(
+        default_factory=ResponseOutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseIncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response, as OpenAI's Responses API answers (and streams in its events)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=_now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[ResponseOutputMessage | ResponseFunctionCall] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: ResponseIncompleteDetails | None = None
+    error: ResponseError | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    store: bool = False
+    previous_response_id: None = None
+    background: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    reasoning: dict[str, Any] | None = None

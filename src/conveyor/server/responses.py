@@ -1,0 +1,361 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, run as a chat completion.
+
+The request becomes a chat request (``instructions`` the system message, ``input`` the
+conversation: messages, earlier function calls and their outputs; ``text.format`` the
+response_format; ``tools`` the functions; ``max_output_tokens`` max_tokens; fields it does
+not name, vLLM's sampling extras, passed on) and goes through the chat endpoint's checks,
+template, tool parser and constraints (``chat.prepare_chat``). The answer is a response
+object: a message item with the text, then a function_call item per call; streamed as the
+API's typed events (``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``). Nothing is stored: ``previous_response_id`` and ``background`` are
+400s (send the whole conversation in ``input``), ``store`` is answered false.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from conveyor.engine.async_engine import RequestStream
+from conveyor.outputs import RequestOutput
+from conveyor.server.chat import ChoiceStream, PreparedChat, ToolPlan, prepare_chat
+from conveyor.server.common import (
+    EngineStreamingResponse,
+    ServerState,
+    collect,
+    submit,
+    unless_disconnected,
+)
+from conveyor.server.errors import APIError, bad_request, request_id_of, to_api_error
+from conveyor.server.protocol import (
+    ChatCompletionRequest,
+    DeltaToolCall,
+    ResponseError,
+    ResponseFunctionCall,
+    ResponseIncompleteDetails,
+    ResponseInputTokensDetails,
+    ResponseObject,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponsesContentPart,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from conveyor.server.tools import ToolCallStream
+
+# A chat field's errors, named as the Responses request names what it came from.
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+           "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+async def create_response(state: ServerState, req: ResponsesRequest,
+                          raw: Request) -> Response | ResponseObject:
+    _check_supported(req)
+    chat_req = _chat_request(req)
+    try:
+        chat = await prepare_chat(state, chat_req)
+    except APIError as e:
+        e.param = _PARAMS.get(e.param or "", e.param)
+        raise
+    except ValueError as e:  # "max_tokens must be at least 1": name the field sent
+        if not str(e).startswith("max_tokens"):
+            raise
+        raise bad_request("max_output_tokens" + str(e).removeprefix("max_tokens"),
+                          "max_output_tokens") from None
+    response_id = f"resp_{request_id_of(raw)}"
+    streams = await submit(state, [chat.ids], chat.params, response_id, chat_req)
+    echo = _echo(req, response_id, state.model_name)
+    if req.stream:
+        events = _ResponseEvents(echo, chat.plan)
+        return EngineStreamingResponse(events.sse(streams[0], request_id_of(raw)), streams)
+    final = await unless_disconnected(raw, collect(streams[0]), streams)
+    return _finished(echo, final, _output_items(final, chat))
+
+
+def _check_supported(req: ResponsesRequest) -> None:
+    """400s for what a stateless server cannot do, naming the field."""
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: this server stores no "
+                          "responses; send the whole conversation in input",
+                          "previous_response_id")
+    if req.background:
+        raise bad_request("background responses are not supported", "background")
+    if req.truncation == "auto":
+        raise bad_request('truncation "auto" is not supported; a conversation too long for '
+                          "the context is a 400", "truncation")
+    if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
+        raise bad_request("logprobs are not supported on /v1/responses (use "
+                          "/v1/chat/completions)", "top_logprobs")
+    if (req.model_extra or {}).get("n", 1) not in (1, None):
+        raise bad_request("a response has one answer: n must be 1", "n")
+
+
+def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request the response runs as; 400 naming the Responses field."""
+    body: dict[str, Any] = {
+        **(req.model_extra or {}), "model": req.model, "messages": _messages(req),
+        "max_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "stream": req.stream, "user": req.user,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "tools": [_chat_tool(i, t.model_dump(exclude_none=True))
+                  for i, t in enumerate(req.tools)] if req.tools else None,
+        "tool_choice": req.tool_choice if isinstance(req.tool_choice, str | None)
+        else {"type": "function", "function": {"name": req.tool_choice.name}},
+        "response_format": _response_format(req),
+    }
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        loc = [str(x) for x in error.get("loc", ())]
+        param = _PARAMS.get(loc[0], loc[0]) if loc else "input"
+        raise bad_request(f"{'.'.join(loc)}: {error.get('msg')}", param) from None
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool["type"] != "function" or not tool.get("name"):
+        raise bad_request(f"tools[{i}]: only function tools (type \"function\" with a name) "
+                          f"are supported, got type {tool['type']!r}", "tools")
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type != "json_schema":
+        return None if fmt is None else {"type": fmt.type}
+    if fmt.schema_ is None:
+        raise bad_request("text.format.schema is required with type json_schema", "text.format")
+    return {"type": "json_schema", "json_schema": fmt.model_dump(by_alias=True,
+                                                                 exclude={"type"})}
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation in chat messages: the instructions first, as the system message."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        kind = item.type or ("message" if item.role else None)
+        if kind == "message" and item.role is not None:
+            messages.append({"role": item.role, "content": _text(item.content, i, "content")})
+        elif kind == "function_call":
+            call = {"id": _required(item.call_id, i, "call_id"), "type": "function",
+                    "function": {"name": _required(item.name, i, "name"),
+                                 "arguments": _required(item.arguments, i, "arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the same turn's
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _required(item.call_id, i,
+                                                                       "call_id"),
+                             "content": _text(item.output, i, "output")})
+        elif kind != "reasoning":  # (an earlier answer's reasoning: nothing to render)
+            raise bad_request(f"input[{i}]: type {kind!r} is not supported (message, "
+                              "function_call, function_call_output; a message needs a role)",
+                              "input")
+    return messages
+
+
+def _required(value: str | None, i: int, name: str) -> str:
+    if value is None:
+        raise bad_request(f"input[{i}].{name} is required", "input")
+    return value
+
+
+def _text(content: str | list[ResponsesContentPart] | None, i: int, name: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise bad_request(f"input[{i}].{name}: only text parts are supported, got type "
+                              f"{part.type!r}", "input")
+    return "".join(part.text or "" for part in content)
+
+
+def _echo(req: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
+    """The response in progress: the request's settings, no output yet."""
+    return ResponseObject(
+        id=response_id, status="in_progress", model=model, instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+        tool_choice=_dumped(req.tool_choice) if req.tool_choice is not None
+        else ("auto" if req.tools else "none"),
+        parallel_tool_calls=req.parallel_tool_calls,
+        text={"format": _dumped(req.text.format) if req.text and req.text.format
+              else {"type": "text"}},
+        metadata=req.metadata or {}, user=req.user, reasoning=req.reasoning)
+
+
+def _dumped(value: Any) -> Any:
+    return value.model_dump(by_alias=True, exclude_none=True) \
+        if isinstance(value, BaseModel) else value
+
+
+def _output_items(final: RequestOutput, chat: PreparedChat
+                  ) -> list[ResponseOutputMessage | ResponseFunctionCall]:
+    """A non-streamed answer's items: its text as a message, then its calls."""
+    c = final.outputs[0]
+    plan = chat.plan
+    content, calls = plan.parser.parse(c.text) if plan.parser is not None else (c.text, [])
+    status: ItemStatus = "incomplete" if c.finish_reason == "length" else "completed"
+    items: list[ResponseOutputMessage | ResponseFunctionCall] = []
+    if content or not calls:
+        items.append(ResponseOutputMessage(id=_item_id("msg"), status=status,
+                                           content=[ResponseOutputText(text=content or "")]))
+    items += [ResponseFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name,
+                                   arguments=call.arguments, status=status) for call in calls]
+    return items
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _finished(echo: ResponseObject, final: RequestOutput,
+              output: list[ResponseOutputMessage | ResponseFunctionCall]) -> ResponseObject:
+    """The response once its request ended: status, usage, why it is incomplete or failed."""
+    c = final.outputs[0]
+    prompt, generated = len(final.prompt_token_ids), final.metrics.num_generation_tokens
+    usage = ResponseUsage(input_tokens=prompt, output_tokens=generated,
+                          total_tokens=prompt + generated,
+                          input_tokens_details=ResponseInputTokensDetails(
+                              cached_tokens=final.num_cached_tokens))
+    update: dict[str, Any] = {"status": "completed", "output": output, "usage": usage}
+    if c.finish_reason == "length":
+        update.update(status="incomplete",
+                      incomplete_details=ResponseIncompleteDetails(reason="max_output_tokens"))
+    elif c.finish_reason == "error":
+        update.update(status="failed", error=ResponseError(
+            code="server_error", message=c.error or "the request failed"))
+    return echo.model_copy(update=update)
+
+
+@dataclass
+class _ResponseEvents:
+    """One streamed response: its typed events, numbered, each item opened and closed."""
+
+    echo: ResponseObject
+    plan: ToolPlan
+    sequence: int = 0
+    items: list[ResponseOutputMessage | ResponseFunctionCall] = field(default_factory=list)
+    message: ResponseOutputMessage | None = None  # the message item being written
+    text: str = ""  # its text so far
+    calls: dict[int, ResponseFunctionCall] = field(default_factory=dict)  # by the call's index
+
+    def event(self, kind: str, **payload: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence,
+                **{k: _dumped(v) for k, v in payload.items()}}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+    async def sse(self, stream: RequestStream, request_id: str) -> AsyncIterator[str]:
+        """The stream's events; an error under way ends it with an `error` event."""
+        yield self.event("response.created", response=self.echo)
+        yield self.event("response.in_progress", response=self.echo)
+        try:
+            parser, final = self.plan.parser, None
+            choice = ChoiceStream(None if parser is None else ToolCallStream(parser),
+                                  self.plan.named)
+            async for output in stream:
+                final = output
+                for c in output.outputs:
+                    chunk = choice.next_chunk(c, 0)
+                    if chunk is not None:
+                        for event in self._chunk(chunk.delta.content,
+                                                 chunk.delta.tool_calls or []):
+                            yield event
+        except Exception as e:
+            error = to_api_error(e, request_id)
+            yield self.event("error", code=error.code or error.type, message=error.message,
+                             param=error.param)
+            return
+        assert final is not None
+        for event in self._close(final):
+            yield event
+
+    def _chunk(self, text: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
+        if text:
+            if self.message is None:
+                yield from self._open_message()
+            message = self.message
+            assert message is not None
+            self.text += text
+            yield self.event("response.output_text.delta", item_id=message.id,
+                             output_index=self.items.index(message), content_index=0,
+                             delta=text, logprobs=[])
+        for delta in calls:
+            call = self.calls.get(delta.index)
+            if call is None:
+                yield from self._close_message("completed")
+                name = delta.function.name if delta.function is not None else None
+                call = ResponseFunctionCall(id=_item_id("fc"), call_id=delta.id or "",
+                                            name=name or "", arguments="",
+                                            status="in_progress")
+                self.calls[delta.index] = call
+                yield from self._open(call)
+            piece = (delta.function.arguments or "") if delta.function else ""
+            if piece:
+                call.arguments += piece
+                yield self.event("response.function_call_arguments.delta", item_id=call.id,
+                                 output_index=self.items.index(call), delta=piece)
+
+    def _open_message(self) -> Iterator[str]:
+        """Opens the message item (``self.message``) and its text part."""
+        self.message = message = ResponseOutputMessage(id=_item_id("msg"),
+                                                       status="in_progress", content=[])
+        self.text = ""
+        yield from self._open(message)
+        yield self._part(message, "response.content_part.added")
+
+    def _part(self, message: ResponseOutputMessage, kind: str) -> str:
+        return self.event(kind, item_id=message.id, output_index=self.items.index(message),
+                          content_index=0, part=ResponseOutputText(text=self.text))
+
+    def _open(self, item: ResponseOutputMessage | ResponseFunctionCall) -> Iterator[str]:
+        self.items.append(item)
+        yield self.event("response.output_item.added", output_index=len(self.items) - 1,
+                         item=item.model_copy(deep=True))
+
+    def _close_message(self, status: ItemStatus) -> Iterator[str]:
+        message, self.message = self.message, None
+        if message is None:
+            return
+        index = self.items.index(message)
+        yield self.event("response.output_text.done", item_id=message.id, output_index=index,
+                         content_index=0, text=self.text, logprobs=[])
+        yield self._part(message, "response.content_part.done")
+        message.content = [ResponseOutputText(text=self.text)]
+        message.status = status
+        yield self.event("response.output_item.done", output_index=index, item=message)
+
+    def _close(self, final: RequestOutput) -> Iterator[str]:
+        """Every open item closed, then the response's last event."""
+        status: ItemStatus = "incomplete" if final.outputs[0].finish_reason == "length" \
+            else "completed"
+        if not self.items:  # no text at all: an empty message, as a non-streamed answer has
+            yield from self._open_message()
+        yield from self._close_message(status)
+        for call in self.calls.values():
+            index = self.items.index(call)
+            yield self.event("response.function_call_arguments.done", item_id=call.id,
+                             output_index=index, arguments=call.arguments)
+            call.status = status
+            yield self.event("response.output_item.done", output_index=index, item=call)
+        response = _finished(self.echo, final, self.items)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "failed": "response.failed"}[response.status]
+        yield self.event(kind, response=response)
+
