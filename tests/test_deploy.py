@@ -107,6 +107,11 @@ def test_routing_text_reads_prompts_and_messages_in_order() -> None:
     assert routing_text("/v1/completions", b'{"prompt": [5, 6]}') == "5 6"
     assert routing_text("/v1/completions", b"not json") is None
     assert routing_text("/tokenize", b'{"prompt": "x"}') is None
+    response = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}
+    assert routing_text("/v1/responses", json.dumps(response).encode()) == \
+        "<system>Be brief.<user>Hi"
+    assert routing_text("/v1/responses", b'{"input": "Hi"}') == "<user>Hi"
 
 
 def _app() -> FastAPI:

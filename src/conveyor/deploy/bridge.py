@@ -19,7 +19,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 # Paths whose JSON body holds the prompt the prefix router looks at.
-_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
+_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # The web page's live view and load button (conveyor.server.webui), and the header the page
 # puts on all its requests (its chat too): these go to one replica, the live view's.
 LIVE_VIEW_PATH_PREFIX = "/v1/engine/"
@@ -68,7 +68,8 @@ def is_live_view(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def routing_text(path: str, body: bytes) -> str | None:
-    """The prompt text of a completion or chat request (None if it has none or is not JSON)."""
+    """The prompt text of a completion, chat or responses request (None if it has none or
+    is not JSON); a response's instructions and input as the chat messages they become."""
     if path not in _PROMPT_PATHS:
         return None
     try:
@@ -78,6 +79,11 @@ def routing_text(path: str, body: bytes) -> str | None:
     if not isinstance(payload, dict):
         return None
     messages = payload.get("messages")
+    if path == "/v1/responses":
+        given = payload.get("input")
+        instructions = payload.get("instructions")
+        messages = [{"role": "system", "content": instructions}] if instructions else []
+        messages += given if isinstance(given, list) else [{"role": "user", "content": given}]
     if isinstance(messages, list):
         return "".join(_message_text(m) for m in messages if isinstance(m, dict))
     prompt = payload.get("prompt")
