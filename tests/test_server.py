@@ -249,8 +249,26 @@ def test_models_version_tokenize_detokenize(server: ServerProcess, client: opena
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"] == "Hello world"
-    chat = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()
-    assert chat["count"] > tokens["count"]
+    assert client.models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    chat = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT,
+                                                           "return_token_strs": True}).json()
+    assert chat["count"] > tokens["count"] and len(chat["token_strs"]) == chat["count"]
+    rendered = httpx.post(server.base_url + "/detokenize", json={"tokens": chat["tokens"]})
+    assert "<|im_start|>" in rendered.json()["prompt"]  # special tokens kept: the same text
+    assert "".join(chat["token_strs"]).replace("Ġ", " ").replace("Ċ", "\n") == \
+        rendered.json()["prompt"]
+    # With tools and template kwargs: the count a chat request with them is charged
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}}
+    with_tools = httpx.post(server.base_url + "/tokenize", json={
+        "messages": CHAT, "tools": [tool],
+        "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    answer = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=1, tools=[tool], tool_choice="none",
+        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert with_tools["count"] == answer.usage.prompt_tokens > chat["count"]
 
 
 # ---------------------------------------------------------------------- batching, cancellation

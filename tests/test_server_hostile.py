@@ -335,3 +335,16 @@ def test_continue_final_message(server: ServerProcess, http: httpx.Client,
     error = _bad_chat(client, server, messages=messages,
                       extra_body={"continue_final_message": True})
     assert error["param"] == "continue_final_message"
+    # chat_template_kwargs may set both flags, and win (as in vLLM): it was a 500
+    kwargs = {"continue_final_message": True, "add_generation_prompt": False}
+    through_kwargs = client.chat.completions.create(
+        messages=messages, model=server.model, temperature=0, max_tokens=4,
+        extra_body={"chat_template_kwargs": kwargs})
+    assert through_kwargs.usage.prompt_tokens == opened["count"]
+    assert through_kwargs.choices[0].message.content == reply.choices[0].message.content
+    error = _bad_chat(client, server, messages=messages,
+                      extra_body={"chat_template_kwargs": {"continue_final_message": True}})
+    assert error["param"] == "continue_final_message"
+    error = _bad_chat(client, server, messages=messages, extra_body={
+        "chat_template_kwargs": {"continue_final_message": "yes"}})
+    assert error["param"] == "chat_template_kwargs"

@@ -21,7 +21,7 @@ import conveyor
 from conveyor.engine.async_engine import AsyncEngine, StepListener
 from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
-from conveyor.server.chat import create_chat_completion, render_prompt
+from conveyor.server.chat import create_chat_completion, render_prompt, template_flags
 from conveyor.server.common import ServerState, check_model
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
@@ -235,16 +235,22 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeRespons
         raise APIError(HTTPStatus.BAD_REQUEST, "send exactly one of 'prompt' or 'messages'",
                        param="prompt")
     if req.messages is not None:
+        add_generation_prompt, continue_final_message = template_flags(
+            req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await asyncio.to_thread(render_prompt, state, req.messages,
-                                      req.add_generation_prompt, None, None,
-                                      req.continue_final_message)
+                                      add_generation_prompt, req.chat_template_kwargs, tools,
+                                      continue_final_message)
     elif engine.tokenizer is None:
         raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")
     elif req.prompt is not None:
         engine.check_prompt_chars(req.prompt, "prompt")  # before tokenizing megabytes
         ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
                                       req.add_special_tokens, field="prompt")
-    return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+    token_strs = [engine.tokenizer.id_to_token(i) for i in ids] \
+        if req.return_token_strs and engine.tokenizer is not None else None
+    return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                            token_strs=token_strs)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -266,6 +272,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name,
                                          max_model_len=engine.max_model_len)])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str) -> ModelCard:
+        """OpenAI's `models.retrieve`: the served model's card, else a 404."""
+        check_model(state, model)
+        return ModelCard(id=state.model_name, max_model_len=engine.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:
@@ -290,7 +302,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine.check_token_ids(req.tokens, "tokens")
         if engine.tokenizer is None:
             raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+        # special tokens kept (as vLLM's): /tokenize's ids come back as the text they were
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens,
+                                                                 skip_special_tokens=False))
 
     @app.get("/metrics")
     async def metrics() -> Response:

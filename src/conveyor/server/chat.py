@@ -58,9 +58,12 @@ from conveyor.server.tools import (
     template_supports_tools,
 )
 
-# Names render_chat_template binds itself: chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token",
-                                       "eos_token", "source"})
+# Names render_chat_template binds itself: chat_template_kwargs may not override them (the
+# two flags they may set are read by ``template_flags``).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt",
+                                       "continue_final_message", "bos_token", "eos_token",
+                                       "source"})
+_TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
 
 # How errors about the rendered conversation name it (positions count in the rendered text).
 _RENDERED = "messages, rendered by the chat template,"
@@ -121,11 +124,26 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
     return ids
 
 
-def _check_request(req: ChatCompletionRequest) -> int | None:
-    """The engine's logprobs count (None: no logprobs); 400 for what is not supported."""
-    if req.continue_final_message and req.add_generation_prompt:
+def template_flags(add_generation_prompt: bool, continue_final_message: bool,
+                   template_kwargs: dict[str, Any] | None) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as the template gets them:
+    chat_template_kwargs may set either, and win over the request's fields (as in vLLM)."""
+    flags = {"add_generation_prompt": add_generation_prompt,
+             "continue_final_message": continue_final_message}
+    for name in _TEMPLATE_FLAGS:
+        value = (template_kwargs or {}).get(name, flags[name])
+        if not isinstance(value, bool):
+            raise bad_request(f"chat_template_kwargs.{name} must be true or false, got "
+                              f"{value!r:.40}", "chat_template_kwargs")
+        flags[name] = value
+    if flags["continue_final_message"] and flags["add_generation_prompt"]:
         raise bad_request("continue_final_message needs add_generation_prompt: false (the "
                           "final message is continued, not answered)", "continue_final_message")
+    return flags["add_generation_prompt"], flags["continue_final_message"]
+
+
+def _check_request(req: ChatCompletionRequest) -> int | None:
+    """The engine's logprobs count (None: no logprobs); 400 for what is not supported."""
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
@@ -191,6 +209,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     tools and constraint, its conversation rendered (``/v1/responses`` runs through it too)."""
     check_model(state, req.model)
     num_logprobs = _check_request(req)
+    add_generation_prompt, continue_final_message = template_flags(
+        req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
     max_tokens, max_tokens_param = (req.max_tokens, "max_tokens") \
         if req.max_completion_tokens is None else \
         (req.max_completion_tokens, "max_completion_tokens")
@@ -212,8 +232,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                           max_tokens_param) from None
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
-    ids = await asyncio.to_thread(render_prompt, state, req.messages, req.add_generation_prompt,
-                                  req.chat_template_kwargs, plan.tools, req.continue_final_message)
+    ids = await asyncio.to_thread(render_prompt, state, req.messages, add_generation_prompt,
+                                  req.chat_template_kwargs, plan.tools, continue_final_message)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     return PreparedChat(ids, params, plan)
 

@@ -222,7 +222,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    """POST /tokenize: a prompt, or chat messages rendered through the template."""
+    """POST /tokenize: a prompt, or chat messages rendered through the template (with the
+    tools and template kwargs a chat request would send: the same count)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -230,6 +231,9 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    return_token_strs: bool = False  # vLLM's: each token as the vocabulary writes it
 
 
 class DetokenizeRequest(_Request):
@@ -401,6 +405,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):
