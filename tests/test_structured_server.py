@@ -369,6 +369,35 @@ def test_tool_call_arguments_stream_in_pieces(server: ServerProcess, client: ope
                         WEATHER["function"]["parameters"])
 
 
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+class Shipment(BaseModel):
+    to: Address
+    weight_kg: int = Field(ge=1, le=99)
+
+
+def test_tools_of_nested_models_resolve_their_refs(server: ServerProcess, client: openai.OpenAI):
+    """openai.pydantic_function_tool of a nested model writes `$defs` and `$ref`s from the
+    parameters' root, which the tool-call grammar nests: it hoists them (a 400 before)."""
+    tool = openai.pydantic_function_tool(Shipment)
+    assert "$defs" in tool["function"]["parameters"]
+    ask = [{"role": "user", "content": "Ship 3 kg to Paris, France."}]
+    for choice in ("required", {"type": "function", "function": {"name": "Shipment"}}):
+        completion = client.chat.completions.parse(
+            model=server.model, messages=ask, tools=[tool], tool_choice=choice,
+            parallel_tool_calls=False, temperature=0, max_tokens=80)
+        (call,) = completion.choices[0].message.tool_calls
+        assert isinstance(call.function.parsed_arguments, Shipment)
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "$defs": {"Address": {"type": "string"}}}}}
+    clash = _chat(server, messages=ask, tools=[tool, other], tool_choice="required")
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "tools"
+
+
 def test_required_with_parallel_calls(server: ServerProcess):
     """tool_choice "required" with parallel_tool_calls: one or more calls, every finished
     one valid against its tool's schema (a last one cut by max_tokens is "length"),

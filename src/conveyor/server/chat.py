@@ -189,7 +189,11 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         if not selected:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, "
                               "which is not in tools", "tool_choice")
-    grammar = parser.grammar(selected, parallel=choice == "required" and req.parallel_tool_calls)
+    try:
+        grammar = parser.grammar(selected,
+                                 parallel=choice == "required" and req.parallel_tool_calls)
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from None
     return ToolPlan(tools, parser, Constraint(StructuredOutputsParams(grammar=grammar), "tools",
                                               "tools (their function parameters)"),
                     named=isinstance(choice, NamedToolChoice))

@@ -158,13 +158,13 @@ class HermesToolParser:
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar (llguidance's, `%json` embeds a schema) for one or more calls of
         these tools, in this parser's syntax, with arguments valid against their schemas."""
+        parameters, definitions = _hoisted_definitions(tools)
         options = [{"type": "object",
                     "properties": {"name": {"const": tool_function(t)["name"]},
-                                   "arguments": tool_function(t).get("parameters")
-                                   or {"type": "object"}},
+                                   "arguments": arguments},
                     "required": ["name", "arguments"], "additionalProperties": False}
-                   for t in tools]
-        schema = {"anyOf": options, "x-guidance": JSON_OPTIONS}
+                   for t, arguments in zip(tools, parameters, strict=True)]
+        schema = {"anyOf": options, **definitions, "x-guidance": JSON_OPTIONS}
         call = f'"{self.start}\\n" %json {json.dumps(schema)} "\\n{self.end}"'
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
 
@@ -185,6 +185,28 @@ class HermesToolParser:
         body = json.dumps({"name": function.get("name"), "arguments": arguments},
                           ensure_ascii=False)
         return f"{self.start}\n{body}\n{self.end}"
+
+
+def _hoisted_definitions(tools: list[dict[str, Any]]
+                         ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each tool's parameters without their `$defs` / `definitions`, and those gathered for
+    the grammar's root schema: a `$ref` such as "#/$defs/Address" (pydantic writes them for
+    nested models) points at the root, which the parameters are no longer (as vLLM does).
+    ValueError when two tools define one name differently."""
+    gathered: dict[str, dict[str, Any]] = {}
+    parameters = []
+    for tool in tools:
+        schema = dict(tool_function(tool).get("parameters") or {"type": "object"})
+        for key in ("$defs", "definitions"):
+            found = schema.pop(key, None)
+            if not isinstance(found, dict):
+                continue
+            for name, definition in found.items():
+                if gathered.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"tools define {key}/{name} differently (their parameters "
+                                     "share one root schema in the tool-call grammar)")
+        parameters.append(schema)
+    return parameters, gathered
 
 
 # --tool-call-parser's choices (ServerConfig checks the flag against these names).
