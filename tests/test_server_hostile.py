@@ -210,6 +210,11 @@ def test_chat_rules_of_openai_and_vllm(server: ServerProcess, client: openai.Ope
         model=server.model, max_tokens=2,
         messages=[*CHAT, tool_turn, {"role": "tool", "tool_call_id": "call_1", "content": "4"}])
     assert answer.choices[0].message.content
+    for call in ({"function": {}}, {"function": {"name": "", "arguments": "{}"}},
+                 {"function": {"name": "f", "arguments": 3}}, "f()"):
+        malformed = {"role": "assistant", "content": None, "tool_calls": [call]}
+        error = _bad_chat(client, server, messages=[*CHAT, malformed])
+        assert error["param"] == "messages" and "tool_calls" in error["message"], call
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     error = _bad_chat(client, server, messages=CHAT, tools=[tool],
                       tool_choice={"type": "function", "function": {"name": "g"}})

@@ -76,10 +76,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         data = message.model_dump(exclude_none=True)
         calls = data.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+                _is_tool_call(c) for c in calls)):
             raise bad_request(f"messages[{i}].tool_calls must be a list of "
-                              '{"id", "type": "function", "function": {"name", "arguments"}}',
-                              "messages")
+                              '{"id", "type": "function", "function": {"name", "arguments"}} '
+                              "(name a string, arguments JSON text)", "messages")
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
@@ -90,6 +90,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             data["content"] = "\n".join(texts)
         result.append(data)
     return result
+
+
+def _is_tool_call(call: object) -> bool:
+    """An earlier assistant turn's call, as OpenAI's API writes one (arguments as an object
+    are taken too: the template renders them the same)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and \
+        bool(function["name"]) and isinstance(function.get("arguments", "{}"), str | dict)
 
 
 def render_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
