@@ -320,6 +320,20 @@ def test_tool_calls_whole_and_streamed_agree(server: ServerProcess, tool_choice:
         assert whole["tool_calls"][0]["id"].startswith("call_")
 
 
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_calls_cut_short_are_never_content(server: ServerProcess, tool_choice: object):
+    """A grammar-forced call that max_tokens ends before its name is written: no content
+    (the call's markup leaked into it), whole or streamed; finish_reason "length"."""
+    body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 3}
+    choice = _chat(server, **body).json()["choices"][0]
+    content, calls, finish = _streamed(server, **body)
+    assert choice["message"]["content"] is None and content is None
+    assert choice["finish_reason"] == finish == "length"
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in choice["message"].get("tool_calls", [])]
+
+
 def test_tool_round_trip_with_the_client(server: ServerProcess, client: openai.OpenAI):
     first = client.chat.completions.create(model=server.model, messages=ASK_WEATHER,
                                            tools=[WEATHER], tool_choice="required",

@@ -185,7 +185,7 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     if choice == "none":
         return ToolPlan(tools, None, None)
     parser_name = state.config.tool_call_parser
-    parser = get_tool_parser(parser_name, req.parallel_tool_calls)
+    parser = get_tool_parser(parser_name, req.parallel_tool_calls, forced=choice != "auto")
     if choice == "auto":
         if parser_name is None:
             raise bad_request('tool_choice "auto" needs the server started with '

@@ -117,17 +117,20 @@ class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, forced: bool = False) -> None:
         # False (the request's parallel_tool_calls): only the first call counts, as OpenAI
         # makes at most one (the text after it is neither content nor calls)
         self.parallel = parallel
+        # True: a grammar forces calls (tool_choice "required" or a named function), so the
+        # text is never content, even cut by max_tokens before a call's name is written
+        self.forced = forced
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content, calls) of a finished output: each block whose JSON names a function
         is a call (one the output ended in too: its arguments are cut short, as OpenAI's
         are on "length"); with no call at all the whole text is content."""
         calls = self.calls(text, finished=True)
-        content = text[:text.find(self.start)] if calls else text
+        content = text[:text.find(self.start)] if calls else None if self.forced else text
         return content or None, calls
 
     def calls(self, text: str, finished: bool) -> list[ParsedToolCall]:
@@ -213,10 +216,12 @@ def _hoisted_definitions(tools: list[dict[str, Any]]
 TOOL_PARSERS = {"hermes": HermesToolParser}
 
 
-def get_tool_parser(name: str | None, parallel: bool = True) -> HermesToolParser:
+def get_tool_parser(name: str | None, parallel: bool = True,
+                    forced: bool = False) -> HermesToolParser:
     """The parser named by --tool-call-parser (hermes when none is set: the format that
-    required / named tool_choice grammars produce); ``parallel``: parallel_tool_calls."""
-    return TOOL_PARSERS[name or "hermes"](parallel)
+    required / named tool_choice grammars produce); ``parallel``: parallel_tool_calls;
+    ``forced``: a grammar forces the calls."""
+    return TOOL_PARSERS[name or "hermes"](parallel, forced)
 
 
 def template_supports_tools(source: str | None) -> bool:
