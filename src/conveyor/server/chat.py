@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, joined
@@ -31,7 +32,7 @@ from conveyor.server.common import (
     unless_disconnected,
     usage,
 )
-from conveyor.server.errors import request_id_of
+from conveyor.server.errors import APIError, request_id_of
 from conveyor.server.logprobs import chat_logprobs, prompt_logprobs
 from conveyor.server.protocol import (
     AssistantMessage,
@@ -248,6 +249,33 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                                   req.chat_template_kwargs, plan.tools, continue_final_message)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     return PreparedChat(ids, params, plan)
+
+
+def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
+    """The chat request another API's request runs as (/v1/responses, /v1/messages); a 400
+    naming the caller's field (``names``: chat field -> theirs) when it does not validate."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        loc = [str(x) for x in error.get("loc", ())]
+        param = names.get(loc[0], loc[0]) if loc else None
+        raise bad_request(f"{'.'.join(loc)}: {error.get('msg')}", param) from None
+
+
+async def prepare_chat_as(state: ServerState, req: ChatCompletionRequest,
+                          names: dict[str, str]) -> PreparedChat:
+    """``prepare_chat`` for another API's request: its 400s name the caller's fields."""
+    try:
+        return await prepare_chat(state, req)
+    except APIError as e:
+        e.param = names.get(e.param or "", e.param)
+        raise
+    except ValueError as e:  # "max_tokens must be at least 1": name the field sent
+        name = str(e).split(" ", 1)[0]
+        if name not in names:
+            raise
+        raise bad_request(names[name] + str(e).removeprefix(name), names[name]) from None
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,

@@ -21,11 +21,17 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import RequestOutput
-from conveyor.server.chat import ChoiceStream, PreparedChat, ToolPlan, prepare_chat
+from conveyor.server.chat import (
+    ChoiceStream,
+    PreparedChat,
+    ToolPlan,
+    chat_request_of,
+    prepare_chat_as,
+)
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
@@ -33,7 +39,7 @@ from conveyor.server.common import (
     submit,
     unless_disconnected,
 )
-from conveyor.server.errors import APIError, bad_request, request_id_of, to_api_error
+from conveyor.server.errors import bad_request, request_id_of, to_api_error
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     DeltaToolCall,
@@ -61,16 +67,7 @@ async def create_response(state: ServerState, req: ResponsesRequest,
                           raw: Request) -> Response | ResponseObject:
     _check_supported(req)
     chat_req = _chat_request(req)
-    try:
-        chat = await prepare_chat(state, chat_req)
-    except APIError as e:
-        e.param = _PARAMS.get(e.param or "", e.param)
-        raise
-    except ValueError as e:  # "max_tokens must be at least 1": name the field sent
-        if not str(e).startswith("max_tokens"):
-            raise
-        raise bad_request("max_output_tokens" + str(e).removeprefix("max_tokens"),
-                          "max_output_tokens") from None
+    chat = await prepare_chat_as(state, chat_req, _PARAMS)
     response_id = f"resp_{request_id_of(raw)}"
     streams = await submit(state, [chat.ids], chat.params, response_id, chat_req)
     echo = _echo(req, response_id, state.model_name)
@@ -112,13 +109,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         else {"type": "function", "function": {"name": req.tool_choice.name}},
         "response_format": _response_format(req),
     }
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        error = e.errors()[0]
-        loc = [str(x) for x in error.get("loc", ())]
-        param = _PARAMS.get(loc[0], loc[0]) if loc else "input"
-        raise bad_request(f"{'.'.join(loc)}: {error.get('msg')}", param) from None
+    return chat_request_of(body, _PARAMS)
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
