@@ -37,15 +37,20 @@ from conveyor.server.errors import (
 )
 from conveyor.server.events import EngineEvents
 from conveyor.server.logs import AccessLog
+from conveyor.server.messages import count_tokens, create_message
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    CountTokensRequest,
+    CountTokensResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    MessagesRequest,
+    MessagesResponse,
     ModelCard,
     ModelList,
     ResponseObject,
@@ -112,13 +117,13 @@ class RequestIds:
             if bad_id:
                 await error_response(bad_request(
                     "the X-Request-Id header must be 1 to 128 visible ASCII characters "
-                    "(no spaces)", "x-request-id"))(scope, receive, send_with_id)
+                    "(no spaces)", "x-request-id"), scope["path"])(scope, receive, send_with_id)
                 return
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
             error = internal_error(exc, request_id)
             if not started:  # else the client sees the connection close mid-body
-                await error_response(error)(scope, _no_receive, send_with_id)
+                await error_response(error, scope["path"])(scope, _no_receive, send_with_id)
 
 
 class LimitsAndAuth:
@@ -136,18 +141,21 @@ class LimitsAndAuth:
         raw_headers = scope.get("headers", [])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
         if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
-            # Two Authorization headers are refused, not resolved: proxies and frameworks
-            # disagree on which one counts, so accepting either lets a wrong key through.
-            tokens = [v for k, v in raw_headers if k.lower() == b"authorization"]
+            # Two credentials are refused, not resolved: proxies and frameworks disagree on
+            # which one counts, so accepting either lets a wrong key through. (Anthropic's
+            # clients send theirs as X-Api-Key.)
+            tokens = [v if k.lower() == b"authorization" else b"Bearer " + v
+                      for k, v in raw_headers if k.lower() in (b"authorization", b"x-api-key")]
             expected = f"Bearer {self.api_key}".encode()
             if len(tokens) != 1 or not hmac.compare_digest(tokens[0], expected):
-                await self._reject(send, APIError(
+                await self._reject(send, scope, APIError(
                     HTTPStatus.UNAUTHORIZED, "Incorrect or missing API key: send one "
-                    "'Authorization: Bearer <key>' header.", code="invalid_api_key"))
+                    "'Authorization: Bearer <key>' (or 'X-Api-Key: <key>') header.",
+                    code="invalid_api_key"))
                 return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await self._reject(send, self._too_large())
+            await self._reject(send, scope, self._too_large())
             return
         if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
             scope = _as_json(scope)
@@ -169,8 +177,8 @@ class LimitsAndAuth:
                         f"the request body is larger than {self.max_body_bytes} bytes",
                         param=BODY_PARAM, code="request_too_large")
 
-    async def _reject(self, send: Send, error: APIError) -> None:
-        await error_response(error)({"type": "http"}, _no_receive, send)
+    async def _reject(self, send: Send, scope: Scope, error: APIError) -> None:
+        await error_response(error, scope["path"])({"type": "http"}, _no_receive, send)
 
 
 def _as_json(scope: Scope) -> Scope:
@@ -267,6 +275,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses", response_model=ResponseObject)
     async def responses(req: ResponsesRequest, raw: Request) -> Any:
         return await create_response(state, req, raw)
+
+    @app.post("/v1/messages", response_model=MessagesResponse)
+    async def messages(req: MessagesRequest, raw: Request) -> Any:
+        return await create_message(state, req, raw)
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
+    async def messages_count_tokens(req: CountTokensRequest) -> CountTokensResponse:
+        return await count_tokens(state, req)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

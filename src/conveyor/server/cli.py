@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 _HELP = {
     "host": "address to bind",
     "port": "port to bind",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
-               "/stats (default: $CONVEYOR_API_KEY, else no key)",
+    "api_key": "require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on /v1/*, "
+               "/tokenize, /detokenize and /stats (default: $CONVEYOR_API_KEY, else no key)",
     "max_queued_requests": "answer 429 (Retry-After) once this many requests wait beyond the "
                            "free sequence slots (default: unbounded)",
     "max_request_body_bytes": "largest request body accepted",

@@ -18,7 +18,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # loopback unless asked: no accidental exposure
     port: int = 8000
-    # None: no key; else 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /stats
+    # None: no key; else 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on /v1/*,
+    # /tokenize, /detokenize, /stats
     api_key: str | None = None
     # Requests that may wait beyond those that can run at once (free slots under
     # max_num_seqs); past it new requests get 429 with Retry-After. None: unbounded.

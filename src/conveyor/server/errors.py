@@ -62,9 +62,24 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.type, error.param, error.code),
-                        status_code=error.status, headers=error.headers)
+# Paths of Anthropic's Messages API (server/messages.py): their errors use its envelope.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """Anthropic's error envelope (its `type` by status; the field named in the message)."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"),
+                                       "message": error.message}}
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error's response: OpenAI's body, or Anthropic's on its API's paths."""
+    body = anthropic_error_body(error) if path.startswith(ANTHROPIC_PATH_PREFIX) else \
+        error_body(error.message, error.type, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -117,7 +132,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
-    return error_response(bad_request(message, param))
+    return error_response(bad_request(message, param), request.url.path)
 
 
 def _body_error_message(exc: StarletteHTTPException) -> str:
@@ -137,11 +152,11 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == HTTPStatus.BAD_REQUEST:  # only FastAPI's body parsing raises these
         message, param = _body_error_message(exc), BODY_PARAM
     return error_response(APIError(exc.status_code, message, kind, param,
-                                   headers=getattr(exc, "headers", None)))
+                                   headers=getattr(exc, "headers", None)), request.url.path)
 
 
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(to_api_error(exc, request_id_of(request)))
+    return error_response(to_api_error(exc, request_id_of(request)), request.url.path)
 
 
 # The header that carries a request's id both ways (conveyor.server.app.RequestIds).

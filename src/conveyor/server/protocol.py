@@ -576,3 +576,102 @@ class ResponseObject(BaseModel):
     background: bool = False
     truncation: Literal["disabled"] = "disabled"
     reasoning: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- /v1/messages
+class AnthropicTextBlock(_Request):
+    type: str = "text"
+    text: str | None = None
+
+
+class AnthropicBlock(_Request):
+    """A content block of a message: text, tool_use (an assistant's call), tool_result (its
+    answer, in a user message), thinking; others (image, document) are refused."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[AnthropicTextBlock] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicMessage(_Request):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[AnthropicBlock], Field(max_length=MAX_MESSAGES_PER_REQUEST)]
+
+
+class AnthropicTool(_Request):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # a server tool's (web_search_...): refused
+
+
+class AnthropicToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensRequest(_Request):
+    """POST /v1/messages/count_tokens."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    messages: Annotated[list[AnthropicMessage],
+                        Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST)]
+    system: str | list[AnthropicTextBlock] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages (Anthropic's Messages API). Fields it does not name go to the chat
+    request it runs as (vLLM's sampling extras)."""
+
+    max_tokens: Int64
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # no reasoning parser: ignored
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class AnthropicTextOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class AnthropicToolUseOut(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int  # not read from the prefix cache (Anthropic's meaning)
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessagesResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[AnthropicTextOut | AnthropicToolUseOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None = None
+    usage: AnthropicUsage

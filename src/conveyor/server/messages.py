@@ -1,0 +1,300 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, run as a chat
+completion (as llama.cpp's server does it).
+
+The request becomes a chat request (``system`` the system message; a user message's
+``tool_result`` blocks ``tool`` messages before its text; an assistant message's ``tool_use``
+blocks its ``tool_calls``; ``stop_sequences`` stop; ``tool_choice`` auto / any / tool / none
+as auto / required / named / none) and goes through the chat endpoint's checks, template,
+tool parser and constraints (``chat.prepare_chat_as``). The answer is a message of ``text``
+and ``tool_use`` blocks with Anthropic's stop reasons, streamed as its events
+(``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
+``message_stop``). Errors on these paths use Anthropic's envelope (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from conveyor.engine.async_engine import RequestStream
+from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.server.chat import (
+    ChoiceStream,
+    ToolPlan,
+    chat_request_of,
+    prepare_chat_as,
+    render_prompt,
+)
+from conveyor.server.common import (
+    EngineStreamingResponse,
+    ServerState,
+    check_model,
+    collect,
+    submit,
+    unless_disconnected,
+)
+from conveyor.server.errors import anthropic_error_body, bad_request, request_id_of, to_api_error
+from conveyor.server.protocol import (
+    AnthropicBlock,
+    AnthropicTextBlock,
+    AnthropicTextOut,
+    AnthropicToolUseOut,
+    AnthropicUsage,
+    CountTokensRequest,
+    CountTokensResponse,
+    DeltaToolCall,
+    MessagesRequest,
+    MessagesResponse,
+)
+from conveyor.server.tools import ToolCallStream
+
+# A chat field's errors, named as the Messages request names what it came from.
+_PARAMS = {"stop": "stop_sequences"}
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+async def create_message(state: ServerState, req: MessagesRequest,
+                         raw: Request) -> Response | MessagesResponse:
+    chat_req = chat_request_of(_chat_body(req), _PARAMS)
+    chat = await prepare_chat_as(state, chat_req, _PARAMS)
+    message_id = f"msg_{request_id_of(raw)}"
+    streams = await submit(state, [chat.ids], chat.params, message_id, chat_req)
+    if req.stream:
+        events = _MessageEvents(message_id, state.model_name, chat.plan)
+        return EngineStreamingResponse(events.sse(streams[0], request_id_of(raw)), streams)
+    final = await unless_disconnected(raw, collect(streams[0]), streams)
+    c = final.outputs[0]
+    content, calls = chat.plan.parser.parse(c.text) if chat.plan.parser is not None \
+        else (c.text, [])
+    blocks: list[AnthropicTextOut | AnthropicToolUseOut] = \
+        [AnthropicTextOut(text=content or "")] if content or not calls else []
+    blocks += [AnthropicToolUseOut(id=call.id, name=call.name, input=_input(call.arguments))
+               for call in calls]
+    stop_reason, stop_sequence = _stop(c, bool(calls))
+    return MessagesResponse(id=message_id, model=state.model_name, content=blocks,
+                            stop_reason=stop_reason, stop_sequence=stop_sequence,
+                            usage=_usage(final))
+
+
+async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountTokensResponse:
+    """The prompt's tokens as /v1/messages would render it (its tools included)."""
+    check_model(state, req.model)
+    chat_req = chat_request_of(_chat_body(req), _PARAMS)
+    tools = [t.model_dump(exclude_none=True) for t in chat_req.tools] if chat_req.tools \
+        else None
+    ids = await asyncio.to_thread(render_prompt, state, chat_req.messages, True, None, tools)
+    return CountTokensResponse(input_tokens=len(ids))
+
+
+def _chat_body(req: CountTokensRequest) -> dict[str, Any]:
+    """The chat request's body: Anthropic's fields in the chat endpoint's names."""
+    body: dict[str, Any] = {**(req.model_extra or {}), "model": req.model,
+                            "messages": _messages(req)}
+    if req.tools:
+        body["tools"] = [_chat_tool(i, t.model_dump(exclude_none=True))
+                         for i, t in enumerate(req.tools)]
+    choice = req.tool_choice
+    if choice is not None:
+        body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        if choice.type == "tool":
+            if not choice.name:
+                raise bad_request('tool_choice of type "tool" needs a name', "tool_choice")
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            body["tool_choice"] = _TOOL_CHOICES[choice.type]
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
+                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    user=(req.metadata or {}).get("user_id"))
+    return body
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") not in (None, "custom"):
+        raise bad_request(f"tools[{i}]: only client tools (name, description, input_schema) "
+                          f"are supported, got type {tool['type']!r}", "tools")
+    return {"type": "function", "function": {
+        "name": tool["name"], "description": tool.get("description"),
+        "parameters": tool.get("input_schema") or {"type": "object"}}}
+
+
+def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation in chat messages: the system prompt first."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _joined(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts, calls, results = [], [], []
+        for j, block in enumerate(message.content):
+            where = f"messages[{i}].content[{j}]"
+            if block.type == "text":
+                texts.append(block.text or "")
+            elif block.type == "tool_use" and message.role == "assistant":
+                calls.append(_tool_call(block, where))
+            elif block.type == "tool_result" and message.role == "user":
+                results.append({"role": "tool", "tool_call_id": _needs(block.tool_use_id, where,
+                                                                       "tool_use_id"),
+                                "content": _joined(block.content or "", where)})
+            elif block.type not in ("thinking", "redacted_thinking"):
+                raise bad_request(f"{where}: a {message.role} message's {block.type!r} block "
+                                  "is not supported (text, tool_use in assistant messages, "
+                                  "tool_result in user messages)", "messages")
+        messages += results  # a tool's answer comes before the user's words that follow it
+        if texts or calls:
+            turn: dict[str, Any] = {"role": message.role, "content": "".join(texts) or None}
+            messages.append({**turn, "tool_calls": calls} if calls else turn)
+    return messages
+
+
+def _tool_call(block: AnthropicBlock, where: str) -> dict[str, Any]:
+    return {"id": _needs(block.id, where, "id"), "type": "function",
+            "function": {"name": _needs(block.name, where, "name"),
+                         "arguments": json.dumps(block.input or {}, ensure_ascii=False)}}
+
+
+def _needs(value: str | None, where: str, name: str) -> str:
+    if not value:
+        raise bad_request(f"{where}.{name} is required", "messages")
+    return value
+
+
+def _joined(content: str | list[AnthropicTextBlock], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for block in content:
+        if block.type != "text" or block.text is None:
+            raise bad_request(f"{where}: only text blocks are supported, got {block.type!r}",
+                              "system" if where == "system" else "messages")
+    return "".join(block.text or "" for block in content)
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object tool_use carries ({} when cut short or not JSON)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _stop(c: CompletionOutput, made_calls: bool) -> tuple[StopReason, str | None]:
+    """Anthropic's stop_reason (and the stop sequence met) for a finished output."""
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if made_calls:
+        return "tool_use", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def _usage(final: RequestOutput) -> AnthropicUsage:
+    cached = final.num_cached_tokens
+    return AnthropicUsage(input_tokens=len(final.prompt_token_ids) - cached,
+                          output_tokens=final.metrics.num_generation_tokens,
+                          cache_read_input_tokens=cached)
+
+
+@dataclass
+class _MessageEvents:
+    """One streamed message: its events, each content block started and stopped."""
+
+    message_id: str
+    model: str
+    plan: ToolPlan
+    blocks: int = 0  # blocks started
+    text_open: bool = False  # the last block is a text block still open
+    calls: dict[int, int] = field(default_factory=dict)  # a call's index -> its block
+    made_calls: bool = False
+
+    @staticmethod
+    def event(kind: str, **payload: Any) -> str:
+        data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n"
+
+    async def sse(self, stream: RequestStream, request_id: str) -> AsyncIterator[str]:
+        """The stream's events; an error under way ends it with an `error` event."""
+        final = None
+        try:
+            parser = self.plan.parser
+            choice = ChoiceStream(None if parser is None else ToolCallStream(parser),
+                                  self.plan.named)
+            async for output in stream:
+                if final is None:
+                    yield self._start(output)
+                final = output
+                chunk = choice.next_chunk(output.outputs[0], 0)
+                if chunk is not None:
+                    for event in self._chunk(chunk.delta.content, chunk.delta.tool_calls or []):
+                        yield event
+        except Exception as e:
+            error = to_api_error(e, request_id)
+            yield self.event("error", error=anthropic_error_body(error)["error"])
+            return
+        assert final is not None
+        for event in self._close(final):
+            yield event
+
+    def _start(self, first: RequestOutput) -> str:
+        usage = AnthropicUsage(input_tokens=len(first.prompt_token_ids) - first.num_cached_tokens,
+                               output_tokens=0, cache_read_input_tokens=first.num_cached_tokens)
+        return self.event("message_start", message={
+            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage.model_dump()})
+
+    def _chunk(self, text: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
+        if text:
+            if not self.text_open:
+                yield from self._open({"type": "text", "text": ""})
+                self.text_open = True
+            yield self.event("content_block_delta", index=self.blocks - 1,
+                             delta={"type": "text_delta", "text": text})
+        for delta in calls:
+            if delta.index not in self.calls:
+                yield from self._stop_open_text()
+                name = delta.function.name if delta.function is not None else None
+                yield from self._open({"type": "tool_use", "id": delta.id or "",
+                                       "name": name or "", "input": {}})
+                self.calls[delta.index] = self.blocks - 1
+                self.made_calls = True
+            piece = (delta.function.arguments or "") if delta.function else ""
+            if piece:
+                yield self.event("content_block_delta", index=self.calls[delta.index],
+                                 delta={"type": "input_json_delta", "partial_json": piece})
+
+    def _open(self, block: dict[str, Any]) -> Iterator[str]:
+        if self.calls and self.blocks - 1 in self.calls.values():  # the call before ends
+            yield self.event("content_block_stop", index=self.blocks - 1)
+        yield self.event("content_block_start", index=self.blocks, content_block=block)
+        self.blocks += 1
+
+    def _stop_open_text(self) -> Iterator[str]:
+        if self.text_open:
+            self.text_open = False
+            yield self.event("content_block_stop", index=self.blocks - 1)
+
+    def _close(self, final: RequestOutput) -> Iterator[str]:
+        """The last block stopped, then the message's stop reason, usage and end."""
+        if self.blocks == 0:  # no text at all: an empty text block, as a whole answer has
+            yield from self._open({"type": "text", "text": ""})
+            self.text_open = True
+        if self.text_open:
+            yield from self._stop_open_text()
+        else:
+            yield self.event("content_block_stop", index=self.blocks - 1)
+        stop_reason, stop_sequence = _stop(final.outputs[0], self.made_calls)
+        yield self.event("message_delta",
+                         delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                         usage={"output_tokens": final.metrics.num_generation_tokens})
+        yield self.event("message_stop")
