@@ -112,6 +112,9 @@ def test_routing_text_reads_prompts_and_messages_in_order() -> None:
     assert routing_text("/v1/responses", json.dumps(response).encode()) == \
         "<system>Be brief.<user>Hi"
     assert routing_text("/v1/responses", b'{"input": "Hi"}') == "<user>Hi"
+    anthropic = {"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}
+    assert routing_text("/v1/messages", json.dumps(anthropic).encode()) == \
+        "<system>Be brief.<user>Hi"
 
 
 def _app() -> FastAPI:

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 # Paths whose JSON body holds the prompt the prefix router looks at.
-_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # The web page's live view and load button (conveyor.server.webui), and the header the page
 # puts on all its requests (its chat too): these go to one replica, the live view's.
 LIVE_VIEW_PATH_PREFIX = "/v1/engine/"
@@ -68,8 +68,9 @@ def is_live_view(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def routing_text(path: str, body: bytes) -> str | None:
-    """The prompt text of a completion, chat or responses request (None if it has none or
-    is not JSON); a response's instructions and input as the chat messages they become."""
+    """The prompt text of a completion, chat, responses or messages request (None if it has
+    none or is not JSON); a response's instructions and input, a message's system and
+    messages, as the chat messages they become."""
     if path not in _PROMPT_PATHS:
         return None
     try:
@@ -84,6 +85,9 @@ def routing_text(path: str, body: bytes) -> str | None:
         instructions = payload.get("instructions")
         messages = [{"role": "system", "content": instructions}] if instructions else []
         messages += given if isinstance(given, list) else [{"role": "user", "content": given}]
+    elif path == "/v1/messages" and isinstance(messages, list):
+        system = payload.get("system")
+        messages = [{"role": "system", "content": system}, *messages] if system else messages
     if isinstance(messages, list):
         return "".join(_message_text(m) for m in messages if isinstance(m, dict))
     prompt = payload.get("prompt")
