@@ -9,19 +9,25 @@ One server per module (the default model); greedy, few tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 from server_fixtures import ServerProcess, metric_value, openai_client, serving, wait_idle
 
 INSTRUCTIONS = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
+TIME = {"type": "function", "name": "get_time", "description": "Current time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string",
+                                                                   "maxLength": 30}},
+                       "required": ["zone"], "additionalProperties": False}}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "maxLength": 30}},
@@ -69,6 +75,33 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(server, client):
     assert short.usage.output_tokens == 3
 
 
+def _raw_events(server: ServerProcess, **body: Any) -> list[dict[str, Any]]:
+    """A stream's events as sent, each validated against the official client's types."""
+    events = []
+    with httpx.stream("POST", server.base_url + "/v1/responses", timeout=60,
+                      json={"model": server.model, "stream": True, **body}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)  # strict: every field the types require is there
+    return events
+
+
+def test_bodies_and_events_validate_against_the_clients_types(server):
+    body = {"input": QUESTION, "instructions": INSTRUCTIONS, "max_output_tokens": 10,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "auto"}
+    whole = httpx.post(server.base_url + "/v1/responses", json={"model": server.model, **body},
+                       timeout=60).json()
+    Response.model_validate(whole)
+    events = _raw_events(server, **body)
+    final = events[-1]["response"]
+    assert final.keys() == whole.keys()  # a streamed body has the same keys (nulls too)
+    assert final["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
+    assert whole["tool_choice"] == "auto" and whole["text"] == {"format": {"type": "text"}}
+
+
 def test_a_streamed_response_is_the_apis_event_sequence(server, client):
     whole = client.responses.create(model=server.model, input=QUESTION, temperature=0,
                                     instructions=INSTRUCTIONS, max_output_tokens=40)
@@ -108,6 +141,15 @@ def test_function_calls_are_items_and_the_next_turns_input(server, client):
         final = stream.get_final_response()
     added = [e for e in events if e.type == "response.output_item.added"]
     assert [e.item.type for e in added] == ["function_call"]
+    # Several calls: each item is done before the next is added
+    kinds = [(e["type"], e.get("output_index")) for e in _raw_events(
+        server, input="What is the weather in Paris and the time in Tokyo?", temperature=0,
+        tools=[WEATHER, TIME], tool_choice="required", max_output_tokens=80)]
+    opened = [i for kind, i in kinds if kind == "response.output_item.added"]
+    assert opened == list(range(len(opened)))
+    for i in opened[1:]:
+        assert kinds.index(("response.output_item.done", i - 1)) < \
+            kinds.index(("response.output_item.added", i))
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert "".join(pieces) == done.arguments == call.arguments == final.output[0].arguments
@@ -162,6 +204,46 @@ def test_bad_requests_are_400s_naming_the_field(server, body: dict[str, Any], pa
                           json={"model": server.model, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_a_stream_that_fails_ends_with_response_failed():
+    """An engine failure mid-stream: an error event, the item under way done as incomplete,
+    then response.failed (clients wait for completed, incomplete or failed)."""
+    from conveyor.engine.async_engine import RequestFailedError
+    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.server.chat import ToolPlan
+    from conveyor.server.protocol import ResponseObject
+    from conveyor.server.responses import _ResponseEvents
+
+    async def failing() -> AsyncIterator[RequestOutput]:
+        for text in ("Hel", "lo"):
+            yield RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [5])], False,
+                                RequestMetrics(0.0, num_generation_tokens=1))
+        raise RequestFailedError("r")
+
+    async def events() -> list[dict[str, Any]]:
+        stream = _ResponseEvents(ResponseObject(id="resp_1", status="in_progress", model="m"),
+                                 ToolPlan(None, None, None))
+        return [json.loads(e.split("data: ", 1)[1])
+                async for e in stream.sse(failing(), "r")]  # type: ignore[arg-type]
+
+    sent = asyncio.run(events())
+    kinds = [e["type"] for e in sent]
+    assert kinds[-5:] == ["error", "response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.failed"]
+    assert sent[-2]["item"]["status"] == "incomplete"
+    assert sent[-2]["item"]["content"][0]["text"] == "Hello"
+    failed = sent[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    for event in sent:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+
+
+@pytest.mark.parametrize("field", ["conversation", "prompt"])
+def test_stored_conversations_and_prompts_are_400s(server, field: str):
+    response = httpx.post(server.base_url + "/v1/responses", timeout=60, json={
+        "model": server.model, "input": "hi", field: {"id": "x"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
 def test_the_server_is_idle_after_the_responses(server):

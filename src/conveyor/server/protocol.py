@@ -525,6 +525,7 @@ class ResponseFunctionCall(BaseModel):
 
 class ResponseInputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class ResponseOutputTokensDetails(BaseModel):

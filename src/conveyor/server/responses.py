@@ -89,9 +89,17 @@ def _check_supported(req: ResponsesRequest) -> None:
     if req.truncation == "auto":
         raise bad_request('truncation "auto" is not supported; a conversation too long for '
                           "the context is a 400", "truncation")
-    if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
+    if req.top_logprobs:
         raise bad_request("logprobs are not supported on /v1/responses (use "
                           "/v1/chat/completions)", "top_logprobs")
+    if "message.output_text.logprobs" in (req.include or []):
+        raise bad_request("logprobs are not supported on /v1/responses (use "
+                          "/v1/chat/completions)", "include")
+    for name in ("conversation", "prompt"):  # a stored conversation, a stored prompt
+        if (req.model_extra or {}).get(name) is not None:
+            raise bad_request(f"{name} is not supported: this server stores no "
+                              "conversations or prompts; send the whole conversation in input",
+                              name)
     if (req.model_extra or {}).get("n", 1) not in (1, None):
         raise bad_request("a response has one answer: n must be 1", "n")
 
@@ -173,7 +181,7 @@ def _text(content: str | list[ResponsesContentPart] | None, i: int, name: str) -
         if part.type not in _TEXT_PARTS or part.text is None:
             raise bad_request(f"input[{i}].{name}: only text parts are supported, got type "
                               f"{part.type!r}", "input")
-    return "".join(part.text or "" for part in content)
+    return "\n".join(part.text or "" for part in content)  # (as chat joins its parts)
 
 
 def _echo(req: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
@@ -182,17 +190,17 @@ def _echo(req: ResponsesRequest, response_id: str, model: str) -> ResponseObject
         id=response_id, status="in_progress", model=model, instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
-        tool_choice=_dumped(req.tool_choice) if req.tool_choice is not None
-        else ("auto" if req.tools else "none"),
-        parallel_tool_calls=req.parallel_tool_calls,
-        text={"format": _dumped(req.text.format) if req.text and req.text.format
-              else {"type": "text"}},
+        tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
+        else req.tool_choice or "auto",
+        parallel_tool_calls=req.parallel_tool_calls, text={"format": _format_echo(req)},
         metadata=req.metadata or {}, user=req.user, reasoning=req.reasoning)
 
 
-def _dumped(value: Any) -> Any:
-    return value.model_dump(by_alias=True, exclude_none=True) \
-        if isinstance(value, BaseModel) else value
+def _format_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type != "json_schema":
+        return {"type": fmt.type if fmt is not None else "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def _output_items(final: RequestOutput, chat: PreparedChat
@@ -201,7 +209,7 @@ def _output_items(final: RequestOutput, chat: PreparedChat
     c = final.outputs[0]
     plan = chat.plan
     content, calls = plan.parser.parse(c.text) if plan.parser is not None else (c.text, [])
-    status: ItemStatus = "incomplete" if c.finish_reason == "length" else "completed"
+    status: ItemStatus = "completed" if c.finish_reason in ("stop", None) else "incomplete"
     items: list[ResponseOutputMessage | ResponseFunctionCall] = []
     if content or not calls:
         items.append(ResponseOutputMessage(id=_item_id("msg"), status=status,
@@ -245,10 +253,12 @@ class _ResponseEvents:
     message: ResponseOutputMessage | None = None  # the message item being written
     text: str = ""  # its text so far
     calls: dict[int, ResponseFunctionCall] = field(default_factory=dict)  # by the call's index
+    open_call: ResponseFunctionCall | None = None  # the call being written
 
     def event(self, kind: str, **payload: Any) -> str:
-        data = {"type": kind, "sequence_number": self.sequence,
-                **{k: _dumped(v) for k, v in payload.items()}}
+        data = {"type": kind, "sequence_number": self.sequence,  # (the keys of a whole body)
+                **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v
+                   for k, v in payload.items()}}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -272,10 +282,20 @@ class _ResponseEvents:
             error = to_api_error(e, request_id)
             yield self.event("error", code=error.code or error.type, message=error.message,
                              param=error.param)
+            for event in self._fail(error.message):
+                yield event
             return
         assert final is not None
         for event in self._close(final):
             yield event
+
+    def _fail(self, message: str) -> Iterator[str]:
+        """The items under way done as incomplete, then the response failed (every stream
+        ends with completed, incomplete or failed: clients wait for one)."""
+        yield from self._close_items("incomplete")
+        yield self.event("response.failed", response=self.echo.model_copy(update={
+            "status": "failed", "output": self.items,
+            "error": ResponseError(code="server_error", message=message)}))
 
     def _chunk(self, text: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
         if text:
@@ -289,13 +309,13 @@ class _ResponseEvents:
                              delta=text, logprobs=[])
         for delta in calls:
             call = self.calls.get(delta.index)
-            if call is None:
-                yield from self._close_message("completed")
+            if call is None:  # the items before it are whole: each is done before the next
+                yield from self._close_items("completed")
                 name = delta.function.name if delta.function is not None else None
                 call = ResponseFunctionCall(id=_item_id("fc"), call_id=delta.id or "",
                                             name=name or "", arguments="",
                                             status="in_progress")
-                self.calls[delta.index] = call
+                self.calls[delta.index] = self.open_call = call
                 yield from self._open(call)
             piece = (delta.function.arguments or "") if delta.function else ""
             if piece:
@@ -320,6 +340,17 @@ class _ResponseEvents:
         yield self.event("response.output_item.added", output_index=len(self.items) - 1,
                          item=item.model_copy(deep=True))
 
+    def _close_items(self, status: ItemStatus) -> Iterator[str]:
+        """The open message, or the call being written, done with ``status``."""
+        yield from self._close_message(status)
+        call, self.open_call = self.open_call, None
+        if call is not None:
+            index = self.items.index(call)
+            yield self.event("response.function_call_arguments.done", item_id=call.id,
+                             output_index=index, arguments=call.arguments)
+            call.status = status
+            yield self.event("response.output_item.done", output_index=index, item=call)
+
     def _close_message(self, status: ItemStatus) -> Iterator[str]:
         message, self.message = self.message, None
         if message is None:
@@ -334,17 +365,11 @@ class _ResponseEvents:
 
     def _close(self, final: RequestOutput) -> Iterator[str]:
         """Every open item closed, then the response's last event."""
-        status: ItemStatus = "incomplete" if final.outputs[0].finish_reason == "length" \
-            else "completed"
+        status: ItemStatus = "completed" if final.outputs[0].finish_reason in ("stop", None) \
+            else "incomplete"
         if not self.items:  # no text at all: an empty message, as a non-streamed answer has
             yield from self._open_message()
-        yield from self._close_message(status)
-        for call in self.calls.values():
-            index = self.items.index(call)
-            yield self.event("response.function_call_arguments.done", item_id=call.id,
-                             output_index=index, arguments=call.arguments)
-            call.status = status
-            yield self.event("response.output_item.done", output_index=index, item=call)
+        yield from self._close_items(status)
         response = _finished(self.echo, final, self.items)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete",
                 "failed": "response.failed"}[response.status]
