@@ -11,10 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import json
+
 import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from pydantic import TypeAdapter
 
 from server_fixtures import ServerProcess, metric_value, start_server, wait_idle
 
@@ -116,6 +120,28 @@ def test_tool_use_blocks_and_tool_results(server, client):
                                            tools=[WEATHER])
     assert follow_up.usage.input_tokens + follow_up.usage.cache_read_input_tokens > \
         without.input_tokens + 10  # the call and its result were rendered
+
+
+def test_bodies_and_events_validate_against_the_clients_types(server):
+    """Whole answers and every streamed event, raw, against Anthropic's client types (text,
+    then a forced call)."""
+    adapter: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
+    for body in ({"system": SYSTEM, "messages": ASK},
+                 {"messages": ASK_WEATHER, "tools": [WEATHER],
+                  "tool_choice": {"type": "any"}}):
+        request = {"model": server.model, "max_tokens": 40, "temperature": 0, **body}
+        Message.model_validate(_post(server, request).json())
+        with httpx.stream("POST", server.base_url + "/v1/messages", timeout=60,
+                          headers={"x-api-key": API_KEY},
+                          json={**request, "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ")]
+        for event in events:
+            adapter.validate_python(event)
+        blocks = [(e["type"], e["index"]) for e in events
+                  if e["type"] in ("content_block_start", "content_block_stop")]
+        assert blocks and blocks == [(kind, i) for i in range(len(blocks) // 2)
+                                     for kind in ("content_block_start", "content_block_stop")]
 
 
 def _post(server: ServerProcess, body: dict[str, Any], **headers: str) -> httpx.Response:
