@@ -8,10 +8,9 @@ One server per module (the default model); greedy, few tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
-
-import json
 
 import anthropic
 import httpx
