@@ -72,6 +72,23 @@ def test_a_message_is_the_chat_answer_to_the_same_conversation(server, client):
     assert stopped.content[0].text == block.text[:block.text.index("Paris")]
 
 
+def test_a_final_assistant_message_is_continued(server, client):
+    """Anthropic's prefill: the model goes on from the assistant's words, as the chat
+    endpoint's continue_final_message does; count_tokens counts that prompt."""
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY).chat.completions
+    expected = chat.create(model=server.model, temperature=0, max_tokens=8, messages=prefill,
+                           extra_body={"continue_final_message": True,
+                                       "add_generation_prompt": False})
+    message = client.messages.create(model=server.model, max_tokens=8, messages=prefill,
+                                     **GREEDY)
+    assert message.content[0].text == expected.choices[0].message.content
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    counted = client.messages.count_tokens(model=server.model, messages=prefill)
+    assert counted.input_tokens == expected.usage.prompt_tokens
+
+
 def test_a_streamed_message_is_the_apis_event_sequence(server, client):
     whole = client.messages.create(model=server.model, max_tokens=40, system=SYSTEM,
                                    messages=ASK, **GREEDY)

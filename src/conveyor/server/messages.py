@@ -89,14 +89,21 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountToke
     chat_req = chat_request_of(_chat_body(req), _PARAMS)
     tools = [t.model_dump(exclude_none=True) for t in chat_req.tools] if chat_req.tools \
         else None
-    ids = await asyncio.to_thread(render_prompt, state, chat_req.messages, True, None, tools)
+    ids = await asyncio.to_thread(render_prompt, state, chat_req.messages,
+                                  chat_req.add_generation_prompt, None, tools,
+                                  chat_req.continue_final_message)
     return CountTokensResponse(input_tokens=len(ids))
 
 
 def _chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat request's body: Anthropic's fields in the chat endpoint's names."""
+    messages = _messages(req)
     body: dict[str, Any] = {**(req.model_extra or {}), "model": req.model,
-                            "messages": _messages(req)}
+                            "messages": messages}
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and last.get("content") and not last.get("tool_calls"):
+        # a prefill: the model continues the assistant's words (Anthropic's rule)
+        body.update(add_generation_prompt=False, continue_final_message=True)
     if req.tools:
         body["tools"] = [_chat_tool(i, t.model_dump(exclude_none=True))
                          for i, t in enumerate(req.tools)]
