@@ -39,6 +39,25 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_tiny_model, kv_fr
     kv_free(llm)
 
 
+def test_chat_logprob_bytes_join_to_the_text(default_llm, kv_free) -> None:
+    """OpenAI's chat logprob `bytes` of tokens that split a character (an emoji's bytes,
+    shown as "\ufffd") are their own bytes: joined, the text's UTF-8 (the engine names each
+    entry, the server shapes them)."""
+    from conveyor.server.logprobs import chat_logprobs
+
+    text = "Birds: 🐦🐦 and 東京 🙂"
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = default_llm.generate(text, params)[0]
+    ids, entries = out.prompt_token_ids[1:], out.prompt_logprobs[1:]
+    assert any("\ufffd" in e[i].decoded_token for i, e in zip(ids, entries, strict=True))
+    content = chat_logprobs(ids, entries, 0).content
+    assert content is not None
+    joined = bytes(b for token in content for b in token.bytes or [])
+    first = default_llm.get_tokenizer().decode(out.prompt_token_ids[:1])
+    assert (first.encode() + joined).decode() == text
+    kv_free(default_llm)
+
+
 def test_prompt_logprobs_in_the_first_delta_of_n_samples(tiny_llama_dir, kv_free) -> None:
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
               max_num_batched_tokens=16, kv_cache_memory=64 * 16 * 1024)

@@ -208,6 +208,15 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, client: ope
     assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
     assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
     assert lp.text_offset == sorted(lp.text_offset)  # one running total
+    # Characters split over tokens (an emoji's bytes): offsets count characters, not "\ufffd"s
+    text = "Birds: 🐦🐦 and 東京 🙂 done"
+    split = client.completions.create(model=server.model, prompt=text, echo=True, logprobs=0,
+                                      max_tokens=0).choices[0].logprobs
+    assert any("\ufffd" in t for t in split.tokens)
+    for token, offset in zip(split.tokens, split.text_offset, strict=True):
+        assert 0 <= offset < len(text)
+        if "\ufffd" not in token and offset:
+            assert text[offset:offset + len(token)] == token, (token, offset)
 
 
 def test_prompt_logprobs_field(server: ServerProcess, client: openai.OpenAI):

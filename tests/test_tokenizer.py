@@ -231,3 +231,25 @@ def test_incremental_detokenizer_special_tokens_and_batches(tok: Tokenizer) -> N
     detok = IncrementalDetokenizer(tok, tok.encode("x"))
     assert detok.update(output[:2]) + detok.update(output[2:]) == "Hi 🙂"
     assert detok.update([]) == ""
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, TEXTS[3], TEXTS[4], TEXTS[5]])
+def test_token_bytes_join_to_the_text(tok: Tokenizer, text: str) -> None:
+    """OpenAI's logprob `bytes`: each token's own, a piece of a character's raw bytes (its
+    text is U+FFFD), so that they join to the text's UTF-8."""
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    if text in (MULTIBYTE, TEXTS[3]):  # characters split over tokens really occur here
+        assert any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+def test_token_bytes_of_a_sentencepiece_byte_fallback() -> None:
+    from conveyor.tokenizer.tokenizer import _sentencepiece_model
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "a"]
+    backend = _sentencepiece_model(tokens, [0.0] * len(tokens), None, 0, False)
+    spm = Tokenizer(backend, bos_token_id=1, eos_token_ids=[2])
+    ids = spm.encode("a🐦", add_special_tokens=False)
+    assert [tokens[i] for i in ids] == ["a", "<0xF0>", "<0x9F>", "<0x90>", "<0xA6>"]
+    assert b"".join(spm.token_bytes(i) for i in ids) == "a🐦".encode()

@@ -91,6 +91,9 @@ class Logprob:
     logprob: float
     rank: int
     decoded_token: str | None = None
+    # The token's bytes when they are not whole characters (a piece of one, which
+    # decoded_token shows as "\ufffd"); None: decoded_token's UTF-8
+    decoded_bytes: bytes | None = None
 
 
 @dataclass

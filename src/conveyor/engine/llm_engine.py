@@ -560,7 +560,10 @@ class LLMEngine:
             return
         for entries in logprobs:
             for token_id, entry in entries.items():
-                entry.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                entry.decoded_token = text
+                if "\ufffd" in text:  # a piece of a character: its bytes, for the API
+                    entry.decoded_bytes = self.tokenizer.token_bytes(token_id)
 
     def _release_pending(self, group: RequestGroup, seq: Sequence) -> None:
         """Once the first sample has its first token (or failed at it), its siblings run."""

@@ -35,7 +35,7 @@ from conveyor.server.common import (
     usage,
 )
 from conveyor.server.errors import request_id_of
-from conveyor.server.logprobs import completion_logprobs, prompt_logprobs
+from conveyor.server.logprobs import TextOffsets, completion_logprobs, prompt_logprobs
 from conveyor.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -160,7 +160,7 @@ def _whole_choice(state: ServerState, prep: _Prepared, i: int, final: RequestOut
 def _choice(index: int, c: CompletionOutput, text: str, offset: int) -> CompletionChoice:
     logprobs = None
     if c.logprobs is not None:
-        logprobs = completion_logprobs(c.token_ids, c.logprobs, offset)
+        logprobs = completion_logprobs(c.token_ids, c.logprobs, TextOffsets(offset))
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
@@ -174,9 +174,9 @@ def echo_logprobs(state: ServerState, final: RequestOutput,
     ids = final.prompt_token_ids
     first = tokenizer.decode(ids[:1], skip_special_tokens=False) if tokenizer else ""
     scored = [e for e in (final.prompt_logprobs or [])[1:] if e is not None]
-    prompt = completion_logprobs(ids[1:], scored, len(first))
-    generated = completion_logprobs(c.token_ids, c.logprobs or [],
-                                    len(first) + sum(len(t) for t in prompt.tokens))
+    offsets = TextOffsets(len(first))  # one running count, the prompt's then the answer's
+    prompt = completion_logprobs(ids[1:], scored, offsets)
+    generated = completion_logprobs(c.token_ids, c.logprobs or [], offsets)
     return CompletionLogprobs(
         text_offset=[0, *prompt.text_offset, *generated.text_offset],
         token_logprobs=[None, *prompt.token_logprobs, *generated.token_logprobs],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from conveyor.core.outputs import Logprob
 from conveyor.server.protocol import (
     ChatLogprobs,
@@ -27,17 +29,38 @@ def _token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
+def _token_bytes(token_id: int, logprob: Logprob) -> bytes:
+    """The token's bytes: a piece of a character's own (its text is U+FFFD), else its text's."""
+    if logprob.decoded_bytes is not None:
+        return logprob.decoded_bytes
+    return _token_text(token_id, logprob).encode("utf-8")
+
+
+class TextOffsets:
+    """Where each token's text starts, in characters: the tokens' bytes decoded in turn, so a
+    token that begins a character (an emoji's first bytes) starts where it does, and the
+    tokens completing it add it once."""
+
+    def __init__(self, start: int) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self.offset
+        self.offset += len(self._decoder.decode(token_bytes))
+        return at
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
-                        text_offset: int) -> CompletionLogprobs:
-    """/v1/completions shape for generated tokens; text_offset: where the first one starts."""
+                        offsets: TextOffsets) -> CompletionLogprobs:
+    """/v1/completions shape for generated tokens; offsets: where the first one starts."""
     result = CompletionLogprobs()
     for token_id, candidates in zip(token_ids, logprobs, strict=False):
         sampled = candidates[token_id]
         text = _token_text(token_id, sampled)
         result.tokens.append(text)
         result.token_logprobs.append(_value(sampled))
-        result.text_offset.append(text_offset)
-        text_offset += len(text)
+        result.text_offset.append(offsets.next(_token_bytes(token_id, sampled)))
         ranked = sorted(candidates.items(), key=lambda item: item[1].rank)
         result.top_logprobs.append({_token_text(t, lp): _value(lp) for t, lp in ranked})
     return result
@@ -53,9 +76,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs],
         top = sorted(((t, lp) for t, lp in candidates.items() if lp.rank <= num_top),
                      key=lambda item: item[1].rank)[:num_top]
         content.append(ChatTokenLogprob(
-            token=text, logprob=_value(sampled), bytes=list(text.encode("utf-8")),
+            token=text, logprob=_value(sampled), bytes=list(_token_bytes(token_id, sampled)),
             top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=_value(lp),
-                                     bytes=list(_token_text(t, lp).encode("utf-8")))
+                                     bytes=list(_token_bytes(t, lp)))
                           for t, lp in top]))
     return ChatLogprobs(content=content)
 

@@ -7,6 +7,7 @@ model llama.cpp runs, with the pre-tokenizer regex llama.cpp uses for `tokenizer
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -34,6 +35,15 @@ _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx
 _QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "megrez")
 _DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit
 _GPT2_PRES = (None, "default", "gpt2", "gpt-2")  # GPT-2's regex itself (None: no key)
+
+
+# A sentencepiece vocabulary's entry for one byte (its byte fallback)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 @lru_cache(maxsize=1)
@@ -276,6 +286,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: its text's UTF-8, or for a piece of a character
+        (a byte-level entry's spelling, a sentencepiece `<0xAB>`) the raw bytes, which its
+        text shows as U+FFFD (OpenAI's logprob `bytes`: pieces join to the text)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(token_id)
+        if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        table = _unicode_to_bytes()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
 
     def id_to_token(self, token_id: int) -> str:
         """The raw vocabulary string of one id (byte-level spelling), for logprobs display."""
