@@ -9,7 +9,7 @@ import pytest
 
 from conftest_models import default_gguf, hf_gguf_tokenizer, hf_tokenizer_folder
 from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
-from conveyor.tokenizer.tokenizer import Tokenizer
+from conveyor.tokenizer.tokenizer import Tokenizer, _unicode_to_bytes
 
 TEXTS = [
     "Hello, world!",
@@ -187,22 +187,61 @@ def test_gguf_control_tokens_outside_the_byte_alphabet_keep_their_ids(tmp_path) 
     assert tok.decode([*ids, user - 1]) == "hi"
 
 
-def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path) -> None:
-    """A pre-tokenizer regex conveyor does not know (Mistral Nemo's tekken) is refused, naming
-    the key and the way out, not replaced by GPT-2's regex (text split otherwise)."""
+def _byte_level_gguf(path: str, pre: str, tokens: list[str], merges: list[str]) -> str:
     import gguf
 
-    path = str(tmp_path / "tok.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("tekken")
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'tekken' .*--tokenizer"):
+    return path
+
+
+def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path) -> None:
+    """A pre-tokenizer regex conveyor does not know (DeepSeek LLM's) is refused, naming the
+    key and the way out, not replaced by GPT-2's regex (text split otherwise)."""
+    path = _byte_level_gguf(str(tmp_path / "tok.gguf"), "deepseek-llm", ["a", "b", "ab"],
+                            ["a b"])
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'deepseek-llm' .*--tokenizer"):
         Tokenizer.from_gguf(path)
+
+
+# Mistral's tekken pattern as its tokenizer file writes it (mistral_common's tekken_240718.json,
+# config.pattern), read by Python's `regex` (what tiktoken-style tokenizers run it with)
+TEKKEN_PATTERN_JSON = (
+    r'"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*'
+    r'[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+|[^\\r\\n\\p{L}\\p{N}]?'
+    r'[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*|'
+    r'\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"')
+
+
+@pytest.mark.parametrize("text", [*TEXTS, MULTIBYTE, "HelloWorld camelCaseNames XMLHttpRequest",
+                                  "2024-11-28 x=42 /path/to\n\nend  "])
+def test_tekken_splits_text_as_its_pattern_does(tmp_path, text: str) -> None:
+    """tokenizer.ggml.pre "tekken" (Mistral Nemo, Mistral Small 3): the pre-tokens are the
+    matches of the tokenizer's own pattern; whole pre-tokens in the vocabulary are kept
+    (llama.cpp's ignore_merges), and BOS is added by default (llama.cpp's for tekken)."""
+    import regex
+
+    path = _byte_level_gguf(str(tmp_path / "tekken.gguf"), "tekken", ["a", "b", "ab"], ["a b"])
+    tekken = Tokenizer.from_gguf(path)
+    split = tekken._tok.pre_tokenizer.pre_tokenize_str(text)
+    spelled = [piece for piece, _ in split]
+    expected = regex.findall(json.loads(TEKKEN_PATTERN_JSON), text)
+    table = {b: c for c, b in _unicode_to_bytes().items()}
+    assert spelled == ["".join(table[b] for b in piece.encode()) for piece in expected]
+    assert tekken.add_bos_token and tekken._tok.model.ignore_merges
+
+
+def test_tekken_splits_at_case_changes_and_single_digits(tmp_path) -> None:
+    path = _byte_level_gguf(str(tmp_path / "tekken.gguf"), "tekken", ["a", "b", "ab"], ["a b"])
+    tekken = Tokenizer.from_gguf(path)
+    pieces = [p for p, _ in tekken._tok.pre_tokenizer.pre_tokenize_str("HelloWorld 123")]
+    assert pieces == ["Hello", "World", "Ġ", "1", "2", "3"]
 
 
 def _stream(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:

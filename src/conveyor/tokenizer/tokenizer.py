@@ -31,7 +31,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken (Mistral Nemo, Mistral Small 3, Ministral): its tokenizer's own pattern
+# (mistral_common's tekken_*.json `config.pattern`, llama.cpp's original of its rewrite)
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral")
+_TEKKEN_PRES = ("tekken",)
+# Whole pre-tokens found in the vocabulary are taken as they are (llama.cpp's ignore_merges)
+_IGNORE_MERGES_PRES = (*_LLAMA3_PRES, *_TEKKEN_PRES)
 _QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "megrez")
 _DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit
 _GPT2_PRES = (None, "default", "gpt2", "gpt-2")  # GPT-2's regex itself (None: no key)
@@ -69,12 +77,16 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _QWEN2_PRES:
         split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
+    if pre in _TEKKEN_PRES:
+        split = pre_tokenizers.Split(Regex(_TEKKEN_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_PRES:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    if pre not in _GPT2_PRES:  # another regex (Mistral Nemo's tekken, DeepSeek's, ...): GPT-2's
-        # would split text otherwise than the model was trained on, silently (llama.cpp refuses)
-        known = sorted(p for p in (*_GPT2_PRES, *_LLAMA3_PRES, *_QWEN2_PRES, *_DIGIT_PRES) if p)
+    if pre not in _GPT2_PRES:  # another regex (DeepSeek's, ...): GPT-2's would split text
+        # otherwise than the model was trained on, silently (llama.cpp refuses)
+        known = sorted(p for p in (*_GPT2_PRES, *_LLAMA3_PRES, *_QWEN2_PRES, *_DIGIT_PRES,
+                                   *_TEKKEN_PRES) if p)
         raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
                          f"{', '.join(known)}); pass the model's tokenizer.json folder as "
                          "tokenizer (--tokenizer)")
@@ -104,7 +116,7 @@ def _byte_level_model(tokens: list[str], merges: list[str], pre: str | None,
              for i, tok in enumerate(tokens)}
     pairs = _merge_pairs(merges)
     # llama.cpp (and Llama 3's tokenizer.json) take a whole pre-token that is in the vocab as is.
-    model = BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_PRES)
+    model = BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _IGNORE_MERGES_PRES)
     tok = RustTokenizer(model)
     tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
@@ -200,9 +212,10 @@ class Tokenizer:
         unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
         types = list(_field(reader, "tokenizer.ggml.token_type") or [])
         if kind == "gpt2":
+            pre = _field(reader, "tokenizer.ggml.pre")
             backend = _byte_level_model(tokens, list(_field(reader, "tokenizer.ggml.merges", [])),
-                                        _field(reader, "tokenizer.ggml.pre"), types)
-            add_bos_default = False
+                                        pre, types)
+            add_bos_default = pre in _TEKKEN_PRES  # (llama.cpp's defaults)
         elif kind == "llama":
             backend = _sentencepiece_model(
                 tokens, list(_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))),
