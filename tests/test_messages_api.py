@@ -168,8 +168,9 @@ def _post(server: ServerProcess, body: dict[str, Any], **headers: str) -> httpx.
 
 @pytest.mark.parametrize(("body", "words"), [
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 5000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "many words " * 600}]}, "prompt is too long"),
     ({"messages": []}, "messages"),
+    ({"n": 2}, "n must be 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice"),
@@ -194,8 +195,69 @@ def test_the_api_key_comes_in_either_header(server):
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     both = _post(server, {}, Authorization=f"Bearer {API_KEY}")  # two credentials: refused
     assert both.status_code == 401
-    unknown = _post(server, {"model": "claude-opus"})
-    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+
+
+def test_what_claude_code_sends(server, client):
+    """Its model names (any is taken: one model is served), a max_tokens past the context
+    (capped, as llama.cpp does), a billing line whose stamp changes every request (made
+    constant: the prompt stays in the prefix cache), several text blocks and consecutive
+    turns of one role (joined, as Anthropic joins them), an empty answer sent back."""
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9; "
+                                       "cc_entrypoint=cli; cch=12345;"},
+              {"type": "text", "text": "You are a careful assistant. " * 40}]
+    first = Message.model_validate(_post(server, {  # (the client streams past 21,333 tokens)
+        "model": "claude-sonnet-4-5-20250929", "max_tokens": 32000, "system": system,
+        "temperature": 0}).json())
+    assert first.model == server.model and first.stop_reason == "end_turn"
+    system[0]["text"] = system[0]["text"].replace("cch=12345", "cch=9f8e7")
+    again = client.messages.create(model="claude-haiku-4-5", max_tokens=4, system=system,
+                                   messages=ASK, **GREEDY)
+    total = again.usage.input_tokens + again.usage.cache_read_input_tokens
+    assert again.usage.cache_read_input_tokens >= total - 16  # all but the last block
+    split = [{"role": "user", "content": "Name a fruit."},
+             {"role": "user", "content": [{"type": "text", "text": "Only one word."}]}]
+    joined = [{"role": "user", "content": [{"type": "text", "text": "Name a fruit."},
+                                           {"type": "text", "text": "Only one word."}]}]
+    counts = [client.messages.count_tokens(model="claude-x", messages=m).input_tokens
+              for m in (split, joined)]
+    assert counts[0] == counts[1]
+    empty = client.messages.create(model=server.model, max_tokens=8, messages=ASK,
+                                   stop_sequences=[first.content[0].text.split()[0]], **GREEDY)
+    assert empty.content[0].text == ""
+    history = [*ASK, {"role": "assistant", "content": empty.content},
+               {"role": "user", "content": "Please answer."}]
+    assert client.messages.create(model=server.model, max_tokens=4, messages=history,
+                                  system=SYSTEM, **GREEDY).content
+
+
+def test_tool_errors_reach_the_model(server, client):
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                              "name": "get_weather", "input": {"city": "x"}}]}
+
+    def count(is_error: bool) -> int:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": is_error,
+                  "content": [{"type": "text", "text": "no such city"}]}
+        return client.messages.count_tokens(model=server.model, tools=[WEATHER], messages=[
+            *ASK_WEATHER, call, {"role": "user", "content": [result]}]).input_tokens
+
+    assert count(True) > count(False)  # ("Error: " before the text)
+
+
+def test_a_failed_grammar_is_an_error_not_an_end_turn(server):
+    """A grammar llguidance gives up on while generating: a 400 with the reason, or, streamed,
+    an error event (Anthropic has no "error" stop reason)."""
+    grammar = "start: r0\n" + "".join(f'r{i}: r{i} r{i} | r{i + 1} | "a" | "#"\n'
+                                      for i in range(10)) + 'r10: "b"'
+    body = {"max_tokens": 40, "messages": [{"role": "user", "content": "Letters:"}],
+            "structured_outputs": {"grammar": grammar}, "temperature": 0}
+    whole = _post(server, body)
+    assert whole.status_code == 400 and "structured output failed" in whole.text
+    with httpx.stream("POST", server.base_url + "/v1/messages", timeout=60,
+                      headers={"x-api-key": API_KEY},
+                      json={"model": server.model, **body, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1]["type"] == "error" and "message_delta" not in [e["type"] for e in events]
 
 
 def test_the_server_is_idle_after_the_messages(server):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,14 +35,20 @@ from conveyor.server.chat import (
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
-    check_model,
     collect,
     submit,
     unless_disconnected,
 )
-from conveyor.server.errors import anthropic_error_body, bad_request, request_id_of, to_api_error
+from conveyor.server.errors import (
+    APIError,
+    anthropic_error_body,
+    bad_request,
+    request_id_of,
+    to_api_error,
+)
 from conveyor.server.protocol import (
     AnthropicBlock,
+    AnthropicMessage,
     AnthropicTextBlock,
     AnthropicTextOut,
     AnthropicToolUseOut,
@@ -57,20 +64,35 @@ from conveyor.server.tools import ToolCallStream
 # A chat field's errors, named as the Messages request names what it came from.
 _PARAMS = {"stop": "stop_sequences"}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Claude Code's first system line, whose cch= value changes with every request
+_BILLING_HEADER = "x-anthropic-billing-header:"
+_BILLING_STAMP = re.compile(r"(\bcch=)[^;\s]*")
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 async def create_message(state: ServerState, req: MessagesRequest,
                          raw: Request) -> Response | MessagesResponse:
+    if (req.model_extra or {}).get("n", 1) not in (1, None):
+        raise bad_request("a message has one answer: n must be 1", "n")
     chat_req = chat_request_of(_chat_body(req), _PARAMS)
-    chat = await prepare_chat_as(state, chat_req, _PARAMS)
+    try:
+        chat = await prepare_chat_as(state, chat_req, _PARAMS)
+    except APIError as e:
+        if e.code == "context_length_exceeded":  # the wording Anthropic's clients parse
+            raise bad_request(f"prompt is too long: {e.message}", "messages") from None
+        raise
+    # max_tokens past the context left is capped to it, as llama.cpp does (Claude Code asks
+    # 32,000 whatever the model); under 1 is a 400
+    params = chat.params.replace(max_tokens=req.max_tokens)
     message_id = f"msg_{request_id_of(raw)}"
-    streams = await submit(state, [chat.ids], chat.params, message_id, chat_req)
+    streams = await submit(state, [chat.ids], params, message_id, chat_req)
     if req.stream:
         events = _MessageEvents(message_id, state.model_name, chat.plan)
         return EngineStreamingResponse(events.sse(streams[0], request_id_of(raw)), streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     c = final.outputs[0]
+    if c.finish_reason == "error":  # its grammar failed: Anthropic has no such stop reason
+        raise bad_request(c.error or "the request failed while generating", "messages")
     content, calls = chat.plan.parser.parse(c.text) if chat.plan.parser is not None \
         else (c.text, [])
     blocks: list[AnthropicTextOut | AnthropicToolUseOut] = \
@@ -85,7 +107,6 @@ async def create_message(state: ServerState, req: MessagesRequest,
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountTokensResponse:
     """The prompt's tokens as /v1/messages would render it (its tools included)."""
-    check_model(state, req.model)
     chat_req = chat_request_of(_chat_body(req), _PARAMS)
     tools = [t.model_dump(exclude_none=True) for t in chat_req.tools] if chat_req.tools \
         else None
@@ -98,8 +119,9 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountToke
 def _chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat request's body: Anthropic's fields in the chat endpoint's names."""
     messages = _messages(req)
-    body: dict[str, Any] = {**(req.model_extra or {}), "model": req.model,
-                            "messages": messages}
+    # Any model name: Claude Code sends its own (a second one for background work), and one
+    # model is served (llama.cpp's server takes any too)
+    body: dict[str, Any] = {**(req.model_extra or {}), "model": None, "messages": messages}
     last = messages[-1] if messages else {}
     if last.get("role") == "assistant" and last.get("content") and not last.get("tool_calls"):
         # a prefill: the model continues the assistant's words (Anthropic's rule)
@@ -116,8 +138,8 @@ def _chat_body(req: CountTokensRequest) -> dict[str, Any]:
             body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             body["tool_choice"] = _TOOL_CHOICES[choice.type]
-    if isinstance(req, MessagesRequest):
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
+    if isinstance(req, MessagesRequest):  # (max_tokens: see create_message)
+        body.update(stop=req.stop_sequences, stream=req.stream,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     user=(req.metadata or {}).get("user_id"))
     return body
@@ -133,34 +155,56 @@ def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation in chat messages: the system prompt first."""
+    """The conversation in chat messages: the system prompt first, consecutive messages of
+    one role as one turn (Anthropic's rule)."""
     messages: list[dict[str, Any]] = []
     if req.system:
-        messages.append({"role": "system", "content": _joined(req.system, "system")})
-    for i, message in enumerate(req.messages):
-        if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content})
-            continue
+        messages.append({"role": "system", "content": _system(req.system)})
+    for role, blocks in _turns(req.messages):
         texts, calls, results = [], [], []
-        for j, block in enumerate(message.content):
-            where = f"messages[{i}].content[{j}]"
+        for where, block in blocks:
             if block.type == "text":
                 texts.append(block.text or "")
-            elif block.type == "tool_use" and message.role == "assistant":
+            elif block.type == "tool_use" and role == "assistant":
                 calls.append(_tool_call(block, where))
-            elif block.type == "tool_result" and message.role == "user":
+            elif block.type == "tool_result" and role == "user":
+                text = _joined(block.content or "", where)
                 results.append({"role": "tool", "tool_call_id": _needs(block.tool_use_id, where,
                                                                        "tool_use_id"),
-                                "content": _joined(block.content or "", where)})
+                                "content": f"Error: {text}" if block.is_error else text})
             elif block.type not in ("thinking", "redacted_thinking"):
-                raise bad_request(f"{where}: a {message.role} message's {block.type!r} block "
-                                  "is not supported (text, tool_use in assistant messages, "
+                raise bad_request(f"{where}: a {role} message's {block.type!r} block is not "
+                                  "supported (text, tool_use in assistant messages, "
                                   "tool_result in user messages)", "messages")
         messages += results  # a tool's answer comes before the user's words that follow it
-        if texts or calls:
-            turn: dict[str, Any] = {"role": message.role, "content": "".join(texts) or None}
+        if texts or calls:  # (an empty text stays a text: the turn is rendered, empty)
+            turn: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else None}
             messages.append({**turn, "tool_calls": calls} if calls else turn)
     return messages
+
+
+def _turns(messages: list[AnthropicMessage]
+           ) -> list[tuple[str, list[tuple[str, AnthropicBlock]]]]:
+    """(role, [(where, block)]) per turn: consecutive messages of one role joined, a string
+    content as one text block."""
+    turns: list[tuple[str, list[tuple[str, AnthropicBlock]]]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        blocks = [(f"messages[{i}]", AnthropicBlock(type="text", text=content))] \
+            if isinstance(content, str) else \
+            [(f"messages[{i}].content[{j}]", block) for j, block in enumerate(content)]
+        if turns and turns[-1][0] == message.role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((message.role, blocks))
+    return turns
+
+
+def _system(system: str | list[AnthropicTextBlock]) -> str:
+    """The system prompt; Claude Code's billing line has its per-request stamp (`cch=`)
+    made constant, so the prompt's KV stays in the prefix cache (as llama.cpp does)."""
+    text = _joined(system, "system")
+    return _BILLING_STAMP.sub(r"\1fffff", text) if text.startswith(_BILLING_HEADER) else text
 
 
 def _tool_call(block: AnthropicBlock, where: str) -> dict[str, Any]:
@@ -182,7 +226,7 @@ def _joined(content: str | list[AnthropicTextBlock], where: str) -> str:
         if block.type != "text" or block.text is None:
             raise bad_request(f"{where}: only text blocks are supported, got {block.type!r}",
                               "system" if where == "system" else "messages")
-    return "".join(block.text or "" for block in content)
+    return "\n".join(block.text or "" for block in content)  # (as chat joins its parts)
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -249,6 +293,11 @@ class _MessageEvents:
             yield self.event("error", error=anthropic_error_body(error)["error"])
             return
         assert final is not None
+        c = final.outputs[0]
+        if c.finish_reason == "error":  # its grammar failed (create_message's 400, streamed)
+            yield self.event("error", error=anthropic_error_body(bad_request(
+                c.error or "the request failed while generating"))["error"])
+            return
         for event in self._close(final):
             yield event
 
