@@ -168,7 +168,8 @@ def _post(server: ServerProcess, body: dict[str, Any], **headers: str) -> httpx.
 
 @pytest.mark.parametrize(("body", "words"), [
     ({"max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "many words " * 600}]}, "prompt is too long"),
+    ({"messages": [{"role": "user", "content": "many words " * 600}]},
+     "tokens > 1024 maximum"),
     ({"messages": []}, "messages"),
     ({"n": 2}, "n must be 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),

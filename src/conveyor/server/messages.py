@@ -67,6 +67,7 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Claude Code's first system line, whose cch= value changes with every request
 _BILLING_HEADER = "x-anthropic-billing-header:"
 _BILLING_STAMP = re.compile(r"(\bcch=)[^;\s]*")
+_INPUT_TOKENS = re.compile(r"has (\d+) input tokens")  # (check_context's message)
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
@@ -79,7 +80,10 @@ async def create_message(state: ServerState, req: MessagesRequest,
         chat = await prepare_chat_as(state, chat_req, _PARAMS)
     except APIError as e:
         if e.code == "context_length_exceeded":  # the wording Anthropic's clients parse
-            raise bad_request(f"prompt is too long: {e.message}", "messages") from None
+            found = _INPUT_TOKENS.search(e.message)
+            tokens = f"{found.group(1)} tokens > " if found else ""
+            raise bad_request(f"prompt is too long: {tokens}{state.engine.max_model_len} "
+                              "maximum", "messages") from None
         raise
     # max_tokens past the context left is capped to it, as llama.cpp does (Claude Code asks
     # 32,000 whatever the model); under 1 is a 400
