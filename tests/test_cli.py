@@ -45,6 +45,8 @@ def test_every_command_prints_its_help() -> None:
     (["serve", "--routing", "prefix"], "replicas (--replicas) must be set for --routing"),
     (["serve", "--ray-address", "auto"], "replicas (--replicas) must be set"),
     (["serve", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be"),
+    (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call"),
 ])
 def test_bad_values_name_their_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     words: str) -> None:
@@ -58,12 +60,29 @@ def test_bad_values_name_their_flag(capsys: pytest.CaptureFixture[str], argv: li
     (["bench", "compare", "--hol-num-requests", "-4"], "must be an integer >= 1"),
     (["bench", "compare", "--hol-prompt-len", "64", "16"], "MIN 64 is above MAX 16"),
     (["bench", "sweep", "--roofline-context-len", "-5"], "must be an integer >= 1"),
+    (["generate", "Hi", "--n", "2"], "unrecognized arguments: --n"),  # no abbreviations
+    (["generate", "Hi", "--max-tok", "2", "--model", "/nonexistent.gguf"],
+     "unrecognized arguments: --max-tok"),
 ])
 def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     words: str) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_vllm_serve_spellings() -> None:
+    """`vllm serve MODEL` (the model positional), -tp, --enable-auto-tool-choice beside
+    --tool-call-parser: a vLLM user's command line works as typed."""
+    from conveyor.server.cli import server_config, server_engine_args
+
+    args = build_parser().parse_args(["serve", "model.gguf", "-tp", "2", "--tool-call-parser",
+                                      "hermes", "--enable-auto-tool-choice"])
+    engine = server_engine_args(args)
+    assert (engine.model, engine.tensor_parallel_size) == ("model.gguf", 2)
+    assert server_config(args).tool_call_parser == "hermes"
+    same = build_parser().parse_args(["serve", "model.gguf", "--model", "model.gguf"])
+    assert server_engine_args(same).model == "model.gguf"
 
 
 def test_output_paths_are_checked_before_the_work(capsys: pytest.CaptureFixture[str],

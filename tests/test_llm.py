@@ -467,6 +467,55 @@ def test_unknown_engine_argument() -> None:
         LLM(max_num_seq=4)
 
 
+def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
+    """vLLM's constructor arguments that mean nothing here are taken with a warning, its
+    names answer (llm_engine, clone, from_optional, the top-level imports), numpy token ids
+    are ids, and what conveyor cannot do says so."""
+    import numpy as np
+
+    from conveyor import CompletionOutput, EngineArgs, TokensPrompt  # noqa: F401
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
+              trust_remote_code=True, gpu_memory_utilization=0.9, task="generate")
+    assert "trust_remote_code" in caplog.text and "gpu_memory_utilization" in caplog.text
+    assert llm.llm_engine is llm.engine
+    params = SamplingParams.from_optional(temperature=0, top_p=None, max_tokens=4,
+                                          ignore_eos=True)
+    assert params.top_p == SamplingParams().top_p and params.clone() == params
+    ids = [5, 17, 33, 8]
+    expected = llm.generate(TokensPrompt(prompt_token_ids=ids), params)[0].outputs[0].token_ids
+    for given in (np.array(ids), [np.int64(i) for i in ids]):
+        out = llm.generate({"prompt_token_ids": given}, params)[0]
+        assert out.outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="must be integers"):
+        llm.generate({"prompt_token_ids": [5, 1.5]}, params)
+    with pytest.raises(NotImplementedError, match="generative"):
+        llm.embed(["a"])
+    with pytest.raises(ValueError, match="task"):
+        LLM(model=str(tiny_llama_dir), task="embed")
+    kv_free(llm)
+
+
+def test_chat_takes_vllms_keywords(default_llm, kv_free) -> None:
+    """LLM.chat: OpenAI's text content parts (joined), chat_template_kwargs and tools to the
+    template, lora_request only as None."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = [{"role": "user", "content": "Name a fruit.\nOne word."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a fruit."},
+                                          {"type": "text", "text": "One word."}]}]
+    assert default_llm.chat(parts, params)[0].prompt_token_ids == \
+        default_llm.chat(plain, params)[0].prompt_token_ids
+    no_prompt = default_llm.chat(plain, params, chat_template_kwargs={
+        "add_generation_prompt": False})
+    assert len(no_prompt[0].prompt_token_ids) < \
+        len(default_llm.chat(plain, params)[0].prompt_token_ids)
+    with pytest.raises(ValueError, match="lora_request"):
+        default_llm.chat(plain, params, lora_request=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="text content parts"):
+        default_llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+    kv_free(default_llm)
+
+
 @pytest.mark.parametrize("value,want", [
     (4096, 4096), (0.5, 1 << 29), ("2GiB", 2 << 30), ("512MB", 512_000_000), ("1e9", 10**9),
     ("4", 4 << 30), ("2048", 2048)])

@@ -125,11 +125,14 @@ KV_CACHE_DTYPES = ("auto", "int8")
 INT8_KV_SCALE_BYTES = 4
 
 
-def setting(default: Any, help: str, flag_type: Any = None) -> Any:
+def setting(default: Any, help: str, flag_type: Any = None,
+            aliases: tuple[str, ...] = ()) -> Any:
     """A settings field: its default, its help text (the ``--flag``'s help) and, where the
     flag's text is parsed into another type in ``__post_init__`` (a memory size into bytes),
-    the type the command line passes."""
-    metadata = {"help": help} if flag_type is None else {"help": help, "flag_type": flag_type}
+    the type the command line passes; ``aliases``: more flags for it (vLLM's ``-tp``)."""
+    metadata: dict[str, Any] = {"help": help, "aliases": aliases}
+    if flag_type is not None:
+        metadata["flag_type"] = flag_type
     return field(default=default, metadata=metadata)
 
 
@@ -311,7 +314,7 @@ class ParallelConfig:
     tensor_parallel_size: int = setting(
         1, "split the model across N processes (devices), each with 1/N of every layer's "
            "heads, MLP and vocabulary (gloo on CPU, NCCL on CUDA); N may not exceed the "
-           "model's KV heads")
+           "model's KV heads", aliases=("-tp",))
 
     def __post_init__(self) -> None:
         _require_tp_size(self.tensor_parallel_size, "tensor_parallel_size")

@@ -247,3 +247,12 @@ class SamplingParams:
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's name; these parameters are frozen: ``replace`` changes a copy)."""
+        return dataclasses.replace(self)
+
+    @classmethod
+    def from_optional(cls, **fields: object) -> SamplingParams:
+        """vLLM's: the fields given as None take their defaults."""
+        return cls(**{k: v for k, v in fields.items() if v is not None})  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import Any
 
 # Sub-commands, each a module with `register(subparsers)`; imported only when listed so that
 # `conveyor plan` does not pay for torch.
@@ -14,8 +15,16 @@ _COMMANDS = ("conveyor.cli.generate", "conveyor.server.cli", "conveyor.bench.cli
              "conveyor.planner.cli", "conveyor.sim.cli")
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--n`` is not ``--no-quantized-matmuls``'s start, and a flag
+    added later cannot change what an abbreviation meant); sub-commands' parsers too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    parser = _Parser(prog="conveyor", description=__doc__)
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     subparsers = parser.add_subparsers(dest="command", required=True)

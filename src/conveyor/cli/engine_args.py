@@ -51,6 +51,7 @@ def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str] | None = No
         flags = [f"--{f.name.replace('_', '-')}"]
         if "_" in f.name:
             flags.append(f"--{f.name}")
+        flags += f.metadata.get("aliases", ())
         default = getattr(defaults, f.name)
         kind = _flag_type(f, hints)
         text = f.metadata.get("help") or (helps or {}).get(f.name, "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,17 @@ from conveyor.ops.openmp import release_openmp_threads
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
+# vLLM's LLM(...) arguments that mean nothing here (no remote code or Hub downloads, the KV
+# cache sized by kv_cache_memory, no compilation settings): taken with a warning, so that a
+# vLLM script's constructor runs; any other unknown name is still an error (a typo).
+VLLM_IGNORED_ARGS = frozenset({
+    "trust_remote_code", "gpu_memory_utilization", "disable_log_stats", "tokenizer_mode",
+    "revision", "tokenizer_revision", "code_revision", "download_dir", "hf_token",
+    "compilation_config", "disable_custom_all_reduce", "max_seq_len_to_capture",
+    "allowed_local_media_path", "max_logprobs"})
+
 
 class LLM:
     """A model behind the continuous-batching engine, driven to completion per call.
@@ -21,11 +33,23 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        ignored = sorted(set(engine_args) & VLLM_IGNORED_ARGS)
+        if ignored:
+            logger.warning("vLLM's argument(s) %s mean nothing to conveyor: ignored (the KV "
+                           "cache is sized by kv_cache_memory)", ignored)
+        engine_args = {k: v for k, v in engine_args.items() if k not in VLLM_IGNORED_ARGS}
+        if engine_args.pop("task", "generate") not in ("generate", "auto"):
+            raise ValueError("task: conveyor serves generative models only ('generate')")
         known = set(EngineArgs.field_names())
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -71,23 +95,37 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered by the model's chat template
         (``continue_final_message``: continue the last message, a reply's start, instead;
-        with ``add_generation_prompt=False``, as vLLM asks)."""
+        with ``add_generation_prompt=False``, as vLLM asks). vLLM's keywords: ``tools`` and
+        ``chat_template_kwargs`` go to the template; text content parts are joined."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         conversations: list[list[dict[str, Any]]] = (
             messages if messages and isinstance(messages[0], list)  # type: ignore[assignment]
             else [messages])  # type: ignore[list-item]
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        # the template kwargs may set the two flags, and win (as in vLLM)
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         prompts: list[PromptType] = []
         for conversation in conversations:
-            prompts.append({"prompt_token_ids":
-                            tokenizer.encode_chat(conversation, add_generation_prompt,
-                                                  continue_final_message)})
+            prompts.append({"prompt_token_ids": tokenizer.encode_chat(
+                [_text_parts_joined(m) for m in conversation], add_generation_prompt,
+                continue_final_message, **kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("encode / embed: conveyor serves generative models only")
+
+    embed = encode
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""
@@ -122,6 +160,22 @@ class LLM:
             # another thread, and two pools on a small CPU slow every kernel (ops/openmp.py)
             release_openmp_threads()
         return [final[i] for i in request_ids]
+
+
+def _text_parts_joined(message: Any) -> Any:
+    """A message whose content is OpenAI's parts, with its text parts joined (newlines, as the
+    server joins them): templates expect a string. Other parts are a ValueError."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or \
+                not isinstance(part.get("text"), str):
+            raise ValueError("messages: only text content parts ({'type': 'text', 'text': "
+                             f"...}}) are supported, got {part!r:.60}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 import weakref
@@ -71,6 +72,17 @@ def _default_sampling(checkpoint: Checkpoint, generation_config: str) -> dict[st
     logger.info("sampling defaults from the model's generation_config.json: %s (a request's "
                 "own values win; generation_config='vllm' drops them)", defaults)
     return dict(defaults)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """Token ids as Python ints: numpy's (an array, np.int64 items, as datasets give them)
+    are taken; anything else that is not an integer is a ValueError naming the field."""
+    if isinstance(ids, str) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
+    bad = next((t for t in ids if isinstance(t, bool) or not hasattr(t, "__index__")), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids must be integers, got {bad!r:.40}")
+    return [operator.index(t) for t in ids]
 
 
 def served_name(model: str | None, path: str) -> str:
@@ -244,7 +256,7 @@ class LLMEngine:
         """(text, token ids) of a prompt given as text, token ids or {"prompt_token_ids": ...}."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                prompt = _token_ids(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -257,8 +269,9 @@ class LLMEngine:
             self.check_prompt_chars(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, field="prompt")
         if not isinstance(prompt, list | tuple):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
-        ids = list(prompt)
+            raise ValueError(f"prompt must be a string or a list of token ids, got "
+                             f"{prompt!r:.80}")
+        ids = _token_ids(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         self.check_token_ids(ids, "prompt_token_ids")

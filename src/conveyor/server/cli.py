@@ -54,6 +54,11 @@ _DEPLOY_HELP = {
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag beside --tool-call-parser: accepted, and needs it "
+                        '(tool_choice "auto" needs only --tool-call-parser here)')
     add_dataclass_flags(p.add_argument_group("server"), ServerConfig, _HELP)
     add_dataclass_flags(p.add_argument_group("replicas (Ray Serve)"), DeployConfig,
                         _DEPLOY_HELP)
@@ -64,10 +69,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def server_engine_args(args: argparse.Namespace) -> EngineArgs:
     """The flags as EngineArgs, with the server's token budget unless one is given."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
     return engine_args_from(args).for_server()
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     return ServerConfig(**{f.name: getattr(args, f.name)
                            for f in dataclasses.fields(ServerConfig)})
 
