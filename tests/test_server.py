@@ -395,6 +395,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": 1}}, 200,
      None),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+     200, None),
     ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/v1/nothing-here", {}, 404, None),

@@ -86,6 +86,17 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, messages,
     assert tok.apply_chat_template(messages, add_generation_prompt) == expected
 
 
+def test_apply_chat_template_tokenizes_when_asked(tok: Tokenizer, hf_tok) -> None:
+    """tokenize=True gives the ids, as transformers' (whose default it is), tokenize=False
+    the text: neither reaches the template."""
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = tok.apply_chat_template(messages, tokenize=True)
+    assert ids == hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                             return_dict=False)
+    assert tok.apply_chat_template(messages, tokenize=False) == tok.decode(
+        ids, skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("start", ["The answer is", "  Four, since "])
 def test_continue_final_message_matches_transformers(tok: Tokenizer, hf_tok, start) -> None:
     """The last message left open, as transformers renders it (spaces around it kept)."""

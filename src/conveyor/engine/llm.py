@@ -115,6 +115,7 @@ class LLM:
         # the template kwargs may set the two flags, and win (as in vLLM)
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        kwargs.pop("tokenize", None)  # (the ids are what this needs)
         prompts: list[PromptType] = []
         for conversation in conversations:
             prompts.append({"prompt_token_ids": tokenizer.encode_chat(

@@ -63,7 +63,7 @@ from conveyor.server.tools import (
 # two flags they may set are read by ``template_flags``).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt",
                                        "continue_final_message", "bos_token", "eos_token",
-                                       "source"})
+                                       "source", "tokenize"})
 _TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
 
 # How errors about the rendered conversation name it (positions count in the rendered text).

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal, overload
 
 from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -335,12 +335,25 @@ class Tokenizer:
         vocab: dict[str, int] = self._tok.get_vocab(with_added_tokens=True)
         return vocab
 
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = ..., continue_final_message: bool = ...,
+                            *, tokenize: Literal[False] = ..., **kwargs: Any) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = ..., continue_final_message: bool = ...,
+                            *, tokenize: Literal[True], **kwargs: Any) -> list[int]: ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """The prompt text for a conversation, rendered with the model's own template;
-        ``continue_final_message`` (vLLM's and transformers' name) leaves the last message
-        open for the model to continue (a reply's start written for it)."""
+                            continue_final_message: bool = False, *, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """The prompt text for a conversation, rendered with the model's own template (with
+        ``tokenize=True`` its token ids, as transformers', whose default that is: here the
+        text is, as vLLM's server code asks for it); ``continue_final_message`` (vLLM's and
+        transformers' name) leaves the last message open for the model to continue (a
+        reply's start written for it)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt "
                              "instead")
@@ -350,12 +363,14 @@ class Tokenizer:
         text = render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                     **kwargs)
-        return open_final_message(text, messages) if continue_final_message else text
+        text = open_final_message(text, messages) if continue_final_message else text
+        if not tokenize:
+            return text
+        return self.encode(text, add_special_tokens=False,
+                           field="messages, rendered by the chat template,")
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes the special tokens)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                        **kwargs)
-        return self.encode(text, add_special_tokens=False,
-                           field="messages, rendered by the chat template,")
+        return self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                        tokenize=True, **kwargs)
