@@ -477,6 +477,7 @@ def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
 
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
               trust_remote_code=True, gpu_memory_utilization=0.9, task="generate")
+    assert llm.generate([5, 6], SamplingParams(max_tokens=2))[0].outputs[0].finished()
     assert "trust_remote_code" in caplog.text and "gpu_memory_utilization" in caplog.text
     assert llm.llm_engine is llm.engine
     params = SamplingParams.from_optional(temperature=0, top_p=None, max_tokens=4,

@@ -24,8 +24,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token, if asked
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether the sequence has ended (a method, as vLLM's; RequestOutput's is a field)."""
         return self.finish_reason is not None
 
     def add(self, delta: CompletionOutput) -> None:
