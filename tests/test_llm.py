@@ -478,6 +478,12 @@ def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=TINY_KV_MEMORY,
               trust_remote_code=True, gpu_memory_utilization=0.9, task="generate")
     assert llm.generate([5, 6], SamplingParams(max_tokens=2))[0].outputs[0].finished()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text, ids_only = (llm.generate([5, 6], greedy.replace(detokenize=d, extra_args={"x": 1}))[0]
+                      .outputs[0] for d in (True, False))
+    assert ids_only.token_ids == text.token_ids and text.text and ids_only.text == ""
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
     assert "trust_remote_code" in caplog.text and "gpu_memory_utilization" in caplog.text
     assert llm.llm_engine is llm.engine
     params = SamplingParams.from_optional(temperature=0, top_p=None, max_tokens=4,

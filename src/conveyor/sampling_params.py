@@ -7,6 +7,7 @@ import enum
 import json as _json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # Bounds on what one request may ask for: they keep one request from hogging the engine.
 MAX_N = 16
@@ -118,6 +119,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: token ids only, no text (vLLM's detokenize; stop strings need the text)
+    detokenize: bool = True
     # Added to the logits before sampling, {token id: bias in [-100, 100]} (OpenAI's and
     # vLLM's logit_bias: -100 bans a token, +100 all but forces it); None: no bias.
     logit_bias: dict[int, float] | None = None
@@ -134,6 +137,8 @@ class SamplingParams:
     # What the engine's outputs for this request hold: a stream of deltas costs each step
     # only its new tokens; cumulative outputs copy everything generated so far, each step.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: free-form arguments for custom sampling plugins; conveyor reads none
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (frozen).
@@ -155,6 +160,8 @@ class SamplingParams:
                            else tuple(self.bad_words or ()))  # one word, as stop takes one
         self._validate()
         self._validate_token_filters()
+        _check(self.detokenize or not self.stop,
+               "stop strings need detokenize=True (they are matched in the text)")
 
     def _validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

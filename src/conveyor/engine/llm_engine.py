@@ -399,8 +399,8 @@ class LLMEngine:
 
     def _detokenizer(self, ids: list[int], params: SamplingParams
                      ) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
+        if self.tokenizer is None or not params.detokenize:
+            return None  # (token ids only: the text stays empty)
         return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
