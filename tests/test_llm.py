@@ -484,6 +484,9 @@ def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
     assert ids_only.token_ids == text.token_ids and text.text and ids_only.text == ""
     with pytest.raises(ValueError, match="stop strings need detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+    assert SamplingParams(repetition_penalty=3.0).repetition_penalty == 3.0  # (vLLM's: > 0)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        SamplingParams(repetition_penalty=0)
     assert "trust_remote_code" in caplog.text and "gpu_memory_utilization" in caplog.text
     assert llm.llm_engine is llm.engine
     params = SamplingParams.from_optional(temperature=0, top_p=None, max_tokens=4,

@@ -180,8 +180,8 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         _check(-2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        _check(0 < self.repetition_penalty <= 2,
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(self.repetition_penalty > 0,  # (vLLM's bound: above 1 penalizes, below favours)
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                    f"max_tokens must be at least 1, got {self.max_tokens!r}")
