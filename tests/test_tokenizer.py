@@ -86,6 +86,15 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, messages,
     assert tok.apply_chat_template(messages, add_generation_prompt) == expected
 
 
+def test_transformers_names_answer_as_transformers(tok: Tokenizer, hf_tok) -> None:
+    """What scripts call on vLLM's get_tokenizer() (a transformers tokenizer)."""
+    ids = tok.encode(TEXTS[8], add_special_tokens=False)
+    assert len(tok) == len(hf_tok)
+    assert tok.convert_ids_to_tokens(ids) == hf_tok.convert_ids_to_tokens(ids)
+    assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(ids)) == ids
+    assert tok.batch_decode([ids, ids[:3]]) == hf_tok.batch_decode([ids, ids[:3]])
+
+
 def test_apply_chat_template_tokenizes_when_asked(tok: Tokenizer, hf_tok) -> None:
     """tokenize=True gives the ids, as transformers' (whose default it is), tokenize=False
     the text: neither reaches the template."""

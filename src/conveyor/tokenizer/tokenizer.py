@@ -330,6 +330,21 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # transformers' names, for scripts written against vLLM's get_tokenizer() (an HF one)
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int | None]:
+        return [self.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = False) -> list[str]:
+        """Each sequence's text (special tokens kept unless asked, as transformers')."""
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
     def get_vocab(self) -> dict[str, int]:
         """token -> id, added tokens included."""
         vocab: dict[str, int] = self._tok.get_vocab(with_added_tokens=True)
