@@ -53,6 +53,7 @@ from conveyor.server.protocol import (
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
 from conveyor.server.tools import (
     HermesToolParser,
+    ParsedToolCall,
     ToolCallStream,
     get_tool_parser,
     messages_for_template,
@@ -173,6 +174,14 @@ class ToolPlan:
     # "auto" and "required" ones with "tool_calls".
     named: bool = False
 
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content, calls) of a finished output: the whole text without a parser."""
+        return self.parser.parse(text) if self.parser is not None else (text, [])
+
+    def choice_stream(self) -> ChoiceStream:
+        """What one streamed choice of this plan has sent so far (nothing yet)."""
+        return ChoiceStream(ToolCallStream(self.parser) if self.parser else None, self.named)
+
 
 def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     """400 for a tool_choice without tools, a named function not in tools, or "auto"
@@ -253,7 +262,11 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
 
 def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
     """The chat request another API's request runs as (/v1/responses, /v1/messages); a 400
-    naming the caller's field (``names``: chat field -> theirs) when it does not validate."""
+    naming the caller's field (``names``: chat field -> theirs) when it does not validate.
+    Those APIs answer once: an `n` other than 1 (passed on among their extra fields) is a
+    400 too."""
+    if body.get("n", 1) not in (1, None):
+        raise bad_request("one answer per request here: n must be 1", "n")
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -300,7 +313,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 def _choice(c: CompletionOutput, num_top: int, plan: ToolPlan) -> ChatChoice:
-    content, calls = plan.parser.parse(c.text) if plan.parser is not None else (c.text, [])
+    content, calls = plan.parse(c.text)
     message = AssistantMessage(content=content, tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
@@ -335,8 +348,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
         final = output
         for c in output.outputs:
             if c.index not in choices:  # the role comes first, alone (as OpenAI does)
-                choices[c.index] = ChoiceStream(
-                    ToolCallStream(plan.parser) if plan.parser else None, plan.named)
+                choices[c.index] = plan.choice_stream()
                 yield chunk(ChatChunkChoice(index=c.index,
                                             delta=DeltaMessage(role="assistant", content="")))
             choice = choices[c.index].next_chunk(c, num_top)

@@ -26,7 +26,6 @@ from fastapi.responses import Response
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import (
-    ChoiceStream,
     ToolPlan,
     chat_request_of,
     prepare_chat_as,
@@ -59,7 +58,6 @@ from conveyor.server.protocol import (
     MessagesRequest,
     MessagesResponse,
 )
-from conveyor.server.tools import ToolCallStream
 
 # A chat field's errors, named as the Messages request names what it came from.
 _PARAMS = {"stop": "stop_sequences"}
@@ -73,8 +71,6 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 async def create_message(state: ServerState, req: MessagesRequest,
                          raw: Request) -> Response | MessagesResponse:
-    if (req.model_extra or {}).get("n", 1) not in (1, None):
-        raise bad_request("a message has one answer: n must be 1", "n")
     chat_req = chat_request_of(_chat_body(req), _PARAMS)
     try:
         chat = await prepare_chat_as(state, chat_req, _PARAMS)
@@ -97,8 +93,7 @@ async def create_message(state: ServerState, req: MessagesRequest,
     c = final.outputs[0]
     if c.finish_reason == "error":  # its grammar failed: Anthropic has no such stop reason
         raise bad_request(c.error or "the request failed while generating", "messages")
-    content, calls = chat.plan.parser.parse(c.text) if chat.plan.parser is not None \
-        else (c.text, [])
+    content, calls = chat.plan.parse(c.text)
     blocks: list[AnthropicTextOut | AnthropicToolUseOut] = \
         [AnthropicTextOut(text=content or "")] if content or not calls else []
     blocks += [AnthropicToolUseOut(id=call.id, name=call.name, input=_input(call.arguments))
@@ -281,9 +276,7 @@ class _MessageEvents:
         """The stream's events; an error under way ends it with an `error` event."""
         final = None
         try:
-            parser = self.plan.parser
-            choice = ChoiceStream(None if parser is None else ToolCallStream(parser),
-                                  self.plan.named)
+            choice = self.plan.choice_stream()
             async for output in stream:
                 if final is None:
                     yield self._start(output)

@@ -26,7 +26,6 @@ from pydantic import BaseModel
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import RequestOutput
 from conveyor.server.chat import (
-    ChoiceStream,
     PreparedChat,
     ToolPlan,
     chat_request_of,
@@ -54,7 +53,6 @@ from conveyor.server.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from conveyor.server.tools import ToolCallStream
 
 # A chat field's errors, named as the Responses request names what it came from.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -100,8 +98,6 @@ def _check_supported(req: ResponsesRequest) -> None:
             raise bad_request(f"{name} is not supported: this server stores no "
                               "conversations or prompts; send the whole conversation in input",
                               name)
-    if (req.model_extra or {}).get("n", 1) not in (1, None):
-        raise bad_request("a response has one answer: n must be 1", "n")
 
 
 def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -208,7 +204,7 @@ def _output_items(final: RequestOutput, chat: PreparedChat
     """A non-streamed answer's items: its text as a message, then its calls."""
     c = final.outputs[0]
     plan = chat.plan
-    content, calls = plan.parser.parse(c.text) if plan.parser is not None else (c.text, [])
+    content, calls = plan.parse(c.text)
     status: ItemStatus = "completed" if c.finish_reason in ("stop", None) else "incomplete"
     items: list[ResponseOutputMessage | ResponseFunctionCall] = []
     if content or not calls:
@@ -267,9 +263,8 @@ class _ResponseEvents:
         yield self.event("response.created", response=self.echo)
         yield self.event("response.in_progress", response=self.echo)
         try:
-            parser, final = self.plan.parser, None
-            choice = ChoiceStream(None if parser is None else ToolCallStream(parser),
-                                  self.plan.named)
+            final = None
+            choice = self.plan.choice_stream()
             async for output in stream:
                 final = output
                 for c in output.outputs:
