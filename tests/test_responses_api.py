@@ -211,7 +211,7 @@ def test_a_stream_that_fails_ends_with_response_failed():
     then response.failed (clients wait for completed, incomplete or failed)."""
     from conveyor.engine.async_engine import RequestFailedError
     from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from conveyor.server.chat import ToolPlan
+    from conveyor.server.chat import OutputPlan
     from conveyor.server.protocol import ResponseObject
     from conveyor.server.responses import _ResponseEvents
 
@@ -223,7 +223,7 @@ def test_a_stream_that_fails_ends_with_response_failed():
 
     async def events() -> list[dict[str, Any]]:
         stream = _ResponseEvents(ResponseObject(id="resp_1", status="in_progress", model="m"),
-                                 ToolPlan(None, None, None))
+                                 OutputPlan(None, None, None))
         return [json.loads(e.split("data: ", 1)[1])
                 async for e in stream.sse(failing(), "r")]  # type: ignore[arg-type]
 

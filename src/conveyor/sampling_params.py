@@ -34,12 +34,24 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ReasoningSection:
+    """Where a reasoning model thinks before it answers: between ``start`` and ``end`` (as
+    tokens where the vocabulary has them, else as text)."""
+
+    start: str
+    end: str
+    opened: bool = False  # the prompt left the section open: the output begins inside it
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on a request's output, enforced token by token (vLLM's field names).
 
     Exactly one of: ``json`` (a JSON Schema, as a dict or its JSON text), ``regex``,
     ``choice`` (the output is one of these strings), ``grammar`` (GBNF/EBNF or Lark),
-    ``json_object=True`` (any JSON object). The grammar package compiles it; its errors
+    ``json_object=True`` (any JSON object). With ``after_reasoning`` the constraint applies
+    after that section only (free thinking first: none, or one closed section, when the
+    prompt did not open it). The grammar package compiles it; its errors
     (an invalid schema, an unsupported feature) are ValueErrors too, raised when the
     request is added.
     """
@@ -49,6 +61,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    after_reasoning: ReasoningSection | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, str):

@@ -58,6 +58,7 @@ from conveyor.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from conveyor.server.reasoning import reasoning_section
 from conveyor.server.responses import create_response
 from conveyor.server.webui import add_web_ui
 
@@ -196,7 +197,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     config = config or ServerConfig()
     metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     engine.listener = metrics.on_step
-    state = ServerState(engine, metrics, engine.model_name, config)
+    state = ServerState(engine, metrics, engine.model_name, config,
+                        reasoning_section(config.reasoning_parser, engine.tokenizer))
     events = EngineEvents(engine) if config.web_ui else None
     if events is not None:
         engine.listener = _both(metrics.on_step, events.on_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,7 +15,13 @@ from pydantic import ValidationError
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, joined
-from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import (
+    MAX_LOGPROBS,
+    ReasoningSection,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from conveyor.server import reasoning
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
@@ -76,6 +83,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
+        if "reasoning" in data:  # vLLM's name for the thinking; templates read the older one
+            data.setdefault("reasoning_content", data.pop("reasoning"))
         calls = data.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(
                 _is_tool_call(c) for c in calls)):
@@ -106,7 +115,16 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
                   template_kwargs: dict[str, Any] | None,
                   tools: list[dict[str, Any]] | None = None,
                   continue_final_message: bool = False) -> list[int]:
-    """Token ids of the rendered conversation (the template adds any special tokens).
+    """Token ids of the rendered conversation (the template adds any special tokens)."""
+    return render_conversation(state, messages, add_generation_prompt, template_kwargs, tools,
+                               continue_final_message)[0]
+
+
+def render_conversation(state: ServerState, messages: list[ChatMessage],
+                        add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+                        tools: list[dict[str, Any]] | None = None,
+                        continue_final_message: bool = False) -> tuple[list[int], str]:
+    """(token ids, text) of the rendered conversation.
 
     Whatever is wrong with the messages (the template refuses them, the text is not valid
     Unicode or too long to fit) is a 400 on `messages`. Tools go to a template that renders
@@ -131,7 +149,7 @@ def render_prompt(state: ServerState, messages: list[ChatMessage], add_generatio
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False, field=_RENDERED)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    return ids
+    return ids, text
 
 
 def template_flags(add_generation_prompt: bool, continue_final_message: bool,
@@ -164,8 +182,8 @@ def _check_request(req: ChatCompletionRequest) -> int | None:
 
 
 @dataclass(frozen=True)
-class ToolPlan:
-    """What a request's `tools` and `tool_choice` ask of the endpoint."""
+class OutputPlan:
+    """What a request's `tools`, `tool_choice` and the reasoning parser make of its output."""
 
     tools: list[dict[str, Any]] | None  # for the chat template (None: no tools)
     parser: HermesToolParser | None  # parses tool calls out of the output (None: text only)
@@ -173,17 +191,30 @@ class ToolPlan:
     # Calls of a named function end with finish_reason "stop", as OpenAI's and vLLM's do;
     # "auto" and "required" ones with "tool_calls".
     named: bool = False
+    # The thinking read out of the output first (None: no reasoning parser); the tool calls
+    # and the content are read from the answer after it.
+    reasoning: ReasoningSection | None = None
+    include_reasoning: bool = True  # vLLM's field: False drops the thinking from the answer
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls) of a finished output: the whole text without a parser."""
-        return self.parser.parse(text) if self.parser is not None else (text, [])
+    def parse(self, text: str) -> tuple[str | None, str | None, list[ParsedToolCall]]:
+        """(thinking, content, calls) of a finished output: the whole text as content
+        without a parser."""
+        thinking = None
+        if self.reasoning is not None:
+            thinking, text = reasoning.split(self.reasoning, text)
+        content, calls = self.parser.parse(text) if self.parser is not None else (text, [])
+        if thinking is not None and not content:
+            content = None  # the model thought and never answered (cut by max_tokens)
+        return (thinking if self.include_reasoning else None), content, calls
 
     def choice_stream(self) -> ChoiceStream:
         """What one streamed choice of this plan has sent so far (nothing yet)."""
-        return ChoiceStream(ToolCallStream(self.parser) if self.parser else None, self.named)
+        return ChoiceStream(ToolCallStream(self.parser) if self.parser else None, self.named,
+                            reasoning.ReasoningStream(self.reasoning)
+                            if self.reasoning is not None else None, self.include_reasoning)
 
 
-def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
+def plan_tools(state: ServerState, req: ChatCompletionRequest) -> OutputPlan:
     """400 for a tool_choice without tools, a named function not in tools, or "auto"
     without --tool-call-parser (as vLLM)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -191,16 +222,16 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     if not tools:
         if choice != "none":
             raise bad_request("tool_choice needs tools", "tool_choice")
-        return ToolPlan(None, None, None)
+        return OutputPlan(None, None, None)
     if choice == "none":
-        return ToolPlan(tools, None, None)
+        return OutputPlan(tools, None, None)
     parser_name = state.config.tool_call_parser
     parser = get_tool_parser(parser_name, req.parallel_tool_calls, forced=choice != "auto")
     if choice == "auto":
         if parser_name is None:
             raise bad_request('tool_choice "auto" needs the server started with '
                               "--tool-call-parser (e.g. hermes)", "tool_choice")
-        return ToolPlan(tools, parser, None)
+        return OutputPlan(tools, parser, None)
     selected = tools
     if isinstance(choice, NamedToolChoice):
         selected = [t for t in tools if t["function"]["name"] == choice.function.name]
@@ -212,7 +243,7 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
                                  parallel=choice == "required" and req.parallel_tool_calls)
     except ValueError as e:
         raise bad_request(str(e), "tools") from None
-    return ToolPlan(tools, parser, Constraint(StructuredOutputsParams(grammar=grammar), "tools",
+    return OutputPlan(tools, parser, Constraint(StructuredOutputsParams(grammar=grammar), "tools",
                                               "tools (their function parameters)"),
                     named=isinstance(choice, NamedToolChoice))
 
@@ -223,7 +254,7 @@ class PreparedChat:
 
     ids: list[int]  # the rendered conversation
     params: SamplingParams
-    plan: ToolPlan
+    plan: OutputPlan
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
@@ -237,12 +268,11 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         if req.max_completion_tokens is None else \
         (req.max_completion_tokens, "max_completion_tokens")
     plan = plan_tools(state, req)
-    constraint = request_constraint(req)
-    if plan.constraint is not None:
-        if constraint is not None:
-            raise bad_request(f"tool_choice {req.tool_choice!r} already constrains the output; "
-                              f"drop {constraint.param}", constraint.param)
-        constraint = plan.constraint
+    constraint = _constraint(req, plan)
+    ids, text = await asyncio.to_thread(render_conversation, state, req.messages,
+                                        add_generation_prompt, req.chat_template_kwargs,
+                                        plan.tools, continue_final_message)
+    plan, constraint = _with_reasoning(state, req, plan, constraint, text)
     try:
         params = sampling_params(req, max_tokens, num_logprobs,
                                  constraint.params if constraint else None,
@@ -254,10 +284,35 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                           max_tokens_param) from None
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
-    ids = await asyncio.to_thread(render_prompt, state, req.messages, add_generation_prompt,
-                                  req.chat_template_kwargs, plan.tools, continue_final_message)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     return PreparedChat(ids, params, plan)
+
+
+def _constraint(req: ChatCompletionRequest, plan: OutputPlan) -> Constraint | None:
+    """The request's constraint, or its tool_choice's (400 for both)."""
+    constraint = request_constraint(req)
+    if plan.constraint is None:
+        return constraint
+    if constraint is not None:
+        raise bad_request(f"tool_choice {req.tool_choice!r} already constrains the output; "
+                          f"drop {constraint.param}", constraint.param)
+    return plan.constraint
+
+
+def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: OutputPlan,
+                    constraint: Constraint | None, prompt: str
+                    ) -> tuple[OutputPlan, Constraint | None]:
+    """The plan reading the thinking out of the output, and the constraint applying after
+    it (unless --structured-outputs-in-reasoning), where the server has a reasoning parser;
+    the section open or not as the rendered ``prompt`` leaves it."""
+    if state.reasoning is None:
+        return plan, constraint
+    section = reasoning.for_prompt(state.reasoning, prompt)
+    if constraint is not None and not state.config.structured_outputs_in_reasoning:
+        constraint = dataclasses.replace(constraint, params=dataclasses.replace(
+            constraint.params, after_reasoning=section))
+    return dataclasses.replace(plan, reasoning=section,
+                               include_reasoning=req.include_reasoning), constraint
 
 
 def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
@@ -312,9 +367,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                   prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
 
 
-def _choice(c: CompletionOutput, num_top: int, plan: ToolPlan) -> ChatChoice:
-    content, calls = plan.parse(c.text)
-    message = AssistantMessage(content=content, tool_calls=[
+def _choice(c: CompletionOutput, num_top: int, plan: OutputPlan) -> ChatChoice:
+    thinking, content, calls = plan.parse(c.text)
+    message = AssistantMessage(content=content, reasoning=thinking, reasoning_content=thinking,
+                               tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
     return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, num_top),
@@ -333,7 +389,7 @@ def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
-                  include_usage: bool, plan: ToolPlan, continuous: bool = False
+                  include_usage: bool, plan: OutputPlan, continuous: bool = False
                   ) -> AsyncIterator[str]:
     created = int(time.time())
     choices: dict[int, ChoiceStream] = {}
@@ -366,8 +422,10 @@ class ChoiceStream:
     """What one choice has streamed so far."""
 
     tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)
-    named: bool  # ToolPlan.named
-    text: str = ""  # the choice's text so far (the tool-call parser reads it whole)
+    named: bool  # OutputPlan.named
+    thinking: reasoning.ReasoningStream | None = None  # None: no reasoning parser
+    include_reasoning: bool = True
+    text: str = ""  # the answer so far (the tool-call parser reads it whole)
     held: CompletionOutput | None = None  # a delta not sent (no text yet): its logprobs wait
     made_calls: bool = False
     done: bool = False
@@ -377,24 +435,26 @@ class ChoiceStream:
         to send."""
         if self.done:
             return None
-        if self.tools is not None:
-            self.text += c.text
-        c, self.held = joined(self.held, c), None  # with a delta held back last time
         finished = c.finish_reason is not None
+        thought, delta = self.thinking.update(c.text, finished) if self.thinking is not None \
+            else ("", c.text)
+        thought = thought if self.include_reasoning else ""
+        c, self.held = joined(self.held, c), None  # with a delta held back last time
         calls: list[DeltaToolCall] = []
-        if self.tools is None:
-            delta = c.text
-        else:
+        if self.tools is not None:
+            self.text += delta
             delta, news = self.tools.update(self.text, finished)
             calls = [DeltaToolCall(index=n.index, id=n.id, type="function" if n.id else None,
                                    function=DeltaFunctionCall(name=n.name, arguments=n.arguments))
                      for n in news]
             self.made_calls = self.made_calls or bool(calls)
-        if not delta and not calls and not finished:
+        if not delta and not thought and not calls and not finished:
             self.held = c
             return None
         choice = ChatChunkChoice(index=c.index,
                                  delta=DeltaMessage(content=delta or None,
+                                                    reasoning=thought or None,
+                                                    reasoning_content=thought or None,
                                                     tool_calls=calls or None),
                                  logprobs=_logprobs(c, num_top),
                                  finish_reason=_finish_reason(c.finish_reason, self.made_calls,

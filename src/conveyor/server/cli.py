@@ -36,6 +36,12 @@ _HELP = {
               "/v1/engine/load (--no-web-ui: none of it)",
     "tool_call_parser": "how tool calls are read out of the model's text: hermes "
                         "(<tool_call>{...}</tool_call>); needed for tool_choice auto",
+    "reasoning_parser": "how a reasoning model's thinking is returned apart from its answer "
+                        "(message.reasoning): auto (<think>...</think> where the model has "
+                        "them), none (left in the text), deepseek_r1 or qwen3",
+    "structured_outputs_in_reasoning": "a constraint (response_format, a forced tool call) "
+                                       "applies to the thinking too, not only to the answer "
+                                       "after it",
 }
 
 

@@ -18,7 +18,12 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import (
+    ReasoningSection,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from conveyor.server.config import ServerConfig
 from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
 from conveyor.server.metrics import ServerMetrics
@@ -46,6 +51,8 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     config: ServerConfig = ServerConfig()
+    # The thinking section the reasoning parser reads (None: none; server/reasoning.py)
+    reasoning: ReasoningSection | None = None
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.config import _require
+from conveyor.server.reasoning import REASONING_PARSERS
 from conveyor.server.tools import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -43,6 +44,13 @@ class ServerConfig:
     # How tool calls are read out of the model's text (vLLM's names; None: tool_choice
     # "auto" is refused, "required" and named functions use hermes's syntax)
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is read out of its text (server/reasoning.py): auto
+    # (<think>...</think> where the vocabulary and the chat template have them), none, or
+    # vLLM's names deepseek_r1 and qwen3 (both <think>...</think> here)
+    reasoning_parser: str = "auto"
+    # A constraint (response_format, a forced tool call) applies to the thinking too (vLLM's
+    # enable_in_reasoning); by default it applies to the answer after it
+    structured_outputs_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
@@ -58,6 +66,8 @@ class ServerConfig:
                  f"one of {', '.join(UVICORN_LOG_LEVELS)}", self.uvicorn_log_level)
         _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS,
                  "tool_call_parser", f"one of {', '.join(TOOL_PARSERS)}", self.tool_call_parser)
+        _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+                 f"one of {', '.join(REASONING_PARSERS)}", self.reasoning_parser)
         for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_read_headers",
                      "timeout_read_body"):
             value = getattr(self, name)

@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import (
-    ToolPlan,
+    OutputPlan,
     chat_request_of,
     prepare_chat_as,
     render_prompt,
@@ -50,6 +50,7 @@ from conveyor.server.protocol import (
     AnthropicMessage,
     AnthropicTextBlock,
     AnthropicTextOut,
+    AnthropicThinkingOut,
     AnthropicToolUseOut,
     AnthropicUsage,
     CountTokensRequest,
@@ -93,9 +94,10 @@ async def create_message(state: ServerState, req: MessagesRequest,
     c = final.outputs[0]
     if c.finish_reason == "error":  # its grammar failed: Anthropic has no such stop reason
         raise bad_request(c.error or "the request failed while generating", "messages")
-    content, calls = chat.plan.parse(c.text)
-    blocks: list[AnthropicTextOut | AnthropicToolUseOut] = \
-        [AnthropicTextOut(text=content or "")] if content or not calls else []
+    thinking, content, calls = chat.plan.parse(c.text)
+    blocks: list[AnthropicThinkingOut | AnthropicTextOut | AnthropicToolUseOut] = \
+        [AnthropicThinkingOut(thinking=thinking)] if thinking is not None else []
+    blocks += [AnthropicTextOut(text=content or "")] if content or not calls else []
     blocks += [AnthropicToolUseOut(id=call.id, name=call.name, input=_input(call.arguments))
                for call in calls]
     stop_reason, stop_sequence = _stop(c, bool(calls))
@@ -160,10 +162,12 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     if req.system:
         messages.append({"role": "system", "content": _system(req.system)})
     for role, blocks in _turns(req.messages):
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for where, block in blocks:
             if block.type == "text":
                 texts.append(block.text or "")
+            elif block.type == "thinking" and role == "assistant" and block.thinking:
+                thoughts.append(block.thinking)  # for templates that show earlier thinking
             elif block.type == "tool_use" and role == "assistant":
                 calls.append(_tool_call(block, where))
             elif block.type == "tool_result" and role == "user":
@@ -178,6 +182,8 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         messages += results  # a tool's answer comes before the user's words that follow it
         if texts or calls:  # (an empty text stays a text: the turn is rendered, empty)
             turn: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else None}
+            if thoughts:
+                turn["reasoning_content"] = "\n".join(thoughts)
             messages.append({**turn, "tool_calls": calls} if calls else turn)
     return messages
 
@@ -261,9 +267,10 @@ class _MessageEvents:
 
     message_id: str
     model: str
-    plan: ToolPlan
+    plan: OutputPlan
     blocks: int = 0  # blocks started
-    text_open: bool = False  # the last block is a text block still open
+    open_kind: str | None = None  # the last block's, "thinking" or "text", while it is open
+    answered: bool = False  # a text or tool_use block was sent
     calls: dict[int, int] = field(default_factory=dict)  # a call's index -> its block
     made_calls: bool = False
 
@@ -283,7 +290,9 @@ class _MessageEvents:
                 final = output
                 chunk = choice.next_chunk(output.outputs[0], 0)
                 if chunk is not None:
-                    for event in self._chunk(chunk.delta.content, chunk.delta.tool_calls or []):
+                    delta = chunk.delta
+                    for event in self._chunk(delta.reasoning, delta.content,
+                                             delta.tool_calls or []):
                         yield event
         except Exception as e:
             error = to_api_error(e, request_id)
@@ -306,25 +315,36 @@ class _MessageEvents:
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": usage.model_dump()})
 
-    def _chunk(self, text: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
+    def _chunk(self, thinking: str | None, text: str | None, calls: list[DeltaToolCall]
+               ) -> Iterator[str]:
+        if thinking:
+            yield from self._text("thinking", thinking)
         if text:
-            if not self.text_open:
-                yield from self._open({"type": "text", "text": ""})
-                self.text_open = True
-            yield self.event("content_block_delta", index=self.blocks - 1,
-                             delta={"type": "text_delta", "text": text})
+            yield from self._text("text", text)
         for delta in calls:
             if delta.index not in self.calls:
-                yield from self._stop_open_text()
+                yield from self._stop_open()
                 name = delta.function.name if delta.function is not None else None
                 yield from self._open({"type": "tool_use", "id": delta.id or "",
                                        "name": name or "", "input": {}})
                 self.calls[delta.index] = self.blocks - 1
-                self.made_calls = True
+                self.made_calls = self.answered = True
             piece = (delta.function.arguments or "") if delta.function else ""
             if piece:
                 yield self.event("content_block_delta", index=self.calls[delta.index],
                                  delta={"type": "input_json_delta", "partial_json": piece})
+
+    def _text(self, kind: str, text: str) -> Iterator[str]:
+        """``text`` in the open block of its ``kind`` ("thinking" or "text"), opened first
+        if the last block is another."""
+        if self.open_kind != kind:
+            yield from self._stop_open()
+            block = {"type": kind, kind: ""}
+            yield from self._open({**block, "signature": ""} if kind == "thinking" else block)
+            self.open_kind = kind
+            self.answered = self.answered or kind == "text"
+        yield self.event("content_block_delta", index=self.blocks - 1,
+                         delta={"type": f"{kind}_delta", kind: text})
 
     def _open(self, block: dict[str, Any]) -> Iterator[str]:
         if self.calls and self.blocks - 1 in self.calls.values():  # the call before ends
@@ -332,18 +352,19 @@ class _MessageEvents:
         yield self.event("content_block_start", index=self.blocks, content_block=block)
         self.blocks += 1
 
-    def _stop_open_text(self) -> Iterator[str]:
-        if self.text_open:
-            self.text_open = False
+    def _stop_open(self) -> Iterator[str]:
+        if self.open_kind is not None:
+            self.open_kind = None
             yield self.event("content_block_stop", index=self.blocks - 1)
 
     def _close(self, final: RequestOutput) -> Iterator[str]:
         """The last block stopped, then the message's stop reason, usage and end."""
-        if self.blocks == 0:  # no text at all: an empty text block, as a whole answer has
+        if not self.answered:  # no text at all: an empty text block, as a whole answer has
+            yield from self._stop_open()
             yield from self._open({"type": "text", "text": ""})
-            self.text_open = True
-        if self.text_open:
-            yield from self._stop_open_text()
+            self.open_kind = "text"
+        if self.open_kind is not None:
+            yield from self._stop_open()
         else:
             yield self.event("content_block_stop", index=self.blocks - 1)
         stop_reason, stop_sequence = _stop(final.outputs[0], self.made_calls)

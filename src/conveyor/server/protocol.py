@@ -216,6 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: False drops a reasoning model's thinking
 
     unsupported: ClassVar[dict[str, Any]] = {**_SamplingFields.unsupported, "echo": False,
                                              "best_of": 1, "add_special_tokens": False}
@@ -343,6 +344,10 @@ class DeltaToolCall(_Delta):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A reasoning model's thinking (server/reasoning.py): vLLM's name, and llama.cpp's
+    # (which many clients read); left out when there is none
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     # Left out of the answer when the model made no call (as OpenAI does)
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -368,6 +373,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(_Delta):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # as AssistantMessage's
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -514,6 +521,21 @@ class ResponseOutputMessage(BaseModel):
     content: list[ResponseOutputText]
 
 
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(BaseModel):
+    """A reasoning model's thinking (server/reasoning.py), as its text (no summary)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseFunctionCall(BaseModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -521,6 +543,9 @@ class ResponseFunctionCall(BaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+
+
+ResponseOutputItem = ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall
 
 
 class ResponseInputTokensDetails(BaseModel):
@@ -558,7 +583,7 @@ class ResponseObject(BaseModel):
     created_at: int = Field(default_factory=_now)
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionCall] = Field(default_factory=list)
+    output: list[ResponseOutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: ResponseIncompleteDetails | None = None
     error: ResponseError | None = None
@@ -597,6 +622,7 @@ class AnthropicBlock(_Request):
     tool_use_id: str | None = None
     content: str | list[AnthropicTextBlock] | None = None
     is_error: bool | None = None
+    thinking: str | None = None  # a thinking block's (its signature is not read)
 
 
 class AnthropicMessage(_Request):
@@ -641,7 +667,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: Int64 | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # no reasoning parser: ignored
+    # Ignored: a reasoning model thinks as its chat template has it (chat_template_kwargs,
+    # e.g. {"enable_thinking": false}, turn it off where the template reads one)
+    thinking: dict[str, Any] | None = None
 
 
 class CountTokensResponse(BaseModel):
@@ -651,6 +679,14 @@ class CountTokensResponse(BaseModel):
 class AnthropicTextOut(BaseModel):
     type: Literal["text"] = "text"
     text: str
+
+
+class AnthropicThinkingOut(BaseModel):
+    """A reasoning model's thinking (server/reasoning.py); no signature to verify here."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
 
 
 class AnthropicToolUseOut(BaseModel):
@@ -672,7 +708,7 @@ class MessagesResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[AnthropicTextOut | AnthropicToolUseOut]
+    content: list[AnthropicThinkingOut | AnthropicTextOut | AnthropicToolUseOut]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None = None
     usage: AnthropicUsage

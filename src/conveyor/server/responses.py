@@ -26,8 +26,8 @@ from pydantic import BaseModel
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import RequestOutput
 from conveyor.server.chat import (
+    OutputPlan,
     PreparedChat,
-    ToolPlan,
     chat_request_of,
     prepare_chat_as,
 )
@@ -47,8 +47,11 @@ from conveyor.server.protocol import (
     ResponseIncompleteDetails,
     ResponseInputTokensDetails,
     ResponseObject,
+    ResponseOutputItem,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningText,
     ResponsesContentPart,
     ResponsesRequest,
     ResponseUsage,
@@ -57,7 +60,7 @@ from conveyor.server.protocol import (
 # A chat field's errors, named as the Responses request names what it came from.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -142,13 +145,18 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [*messages, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         kind = item.type or ("message" if item.role else None)
+        last = messages[-1] if messages else None
         if kind == "message" and item.role is not None:
-            messages.append({"role": item.role, "content": _text(item.content, i, "content")})
+            text = _text(item.content, i, "content")
+            if item.role == "assistant" and last is not None and last["role"] == "assistant" \
+                    and last["content"] is None and not last.get("tool_calls"):
+                last["content"] = text  # the answer after its thinking
+            else:
+                messages.append({"role": item.role, "content": text})
         elif kind == "function_call":
             call = {"id": _required(item.call_id, i, "call_id"), "type": "function",
                     "function": {"name": _required(item.name, i, "name"),
                                  "arguments": _required(item.arguments, i, "arguments")}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the same turn's
             else:
@@ -157,7 +165,11 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": _required(item.call_id, i,
                                                                        "call_id"),
                              "content": _text(item.output, i, "output")})
-        elif kind != "reasoning":  # (an earlier answer's reasoning: nothing to render)
+        elif kind == "reasoning":  # an earlier answer's thinking, for templates that show it
+            if thought := _text(item.content, i, "content"):
+                messages.append({"role": "assistant", "content": None,
+                                 "reasoning_content": thought})
+        else:
             raise bad_request(f"input[{i}]: type {kind!r} is not supported (message, "
                               "function_call, function_call_output; a message needs a role)",
                               "input")
@@ -200,13 +212,16 @@ def _format_echo(req: ResponsesRequest) -> dict[str, Any]:
 
 
 def _output_items(final: RequestOutput, chat: PreparedChat
-                  ) -> list[ResponseOutputMessage | ResponseFunctionCall]:
-    """A non-streamed answer's items: its text as a message, then its calls."""
+                  ) -> list[ResponseOutputItem]:
+    """A non-streamed answer's items: its thinking, its text as a message, its calls."""
     c = final.outputs[0]
     plan = chat.plan
-    content, calls = plan.parse(c.text)
+    thinking, content, calls = plan.parse(c.text)
     status: ItemStatus = "completed" if c.finish_reason in ("stop", None) else "incomplete"
-    items: list[ResponseOutputMessage | ResponseFunctionCall] = []
+    items: list[ResponseOutputItem] = []
+    if thinking is not None:
+        items.append(ResponseReasoningItem(id=_item_id("rs"), status=status,
+                                           content=[ResponseReasoningText(text=thinking)]))
     if content or not calls:
         items.append(ResponseOutputMessage(id=_item_id("msg"), status=status,
                                            content=[ResponseOutputText(text=content or "")]))
@@ -215,12 +230,21 @@ def _output_items(final: RequestOutput, chat: PreparedChat
     return items
 
 
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+
+
+def _text_part(item: ResponseReasoningItem | ResponseOutputMessage, text: str
+               ) -> ResponseOutputText | ResponseReasoningText:
+    return ResponseOutputText(text=text) if isinstance(item, ResponseOutputMessage) else \
+        ResponseReasoningText(text=text)
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _finished(echo: ResponseObject, final: RequestOutput,
-              output: list[ResponseOutputMessage | ResponseFunctionCall]) -> ResponseObject:
+              output: list[ResponseOutputItem]) -> ResponseObject:
     """The response once its request ended: status, usage, why it is incomplete or failed."""
     c = final.outputs[0]
     prompt, generated = len(final.prompt_token_ids), final.metrics.num_generation_tokens
@@ -243,10 +267,10 @@ class _ResponseEvents:
     """One streamed response: its typed events, numbered, each item opened and closed."""
 
     echo: ResponseObject
-    plan: ToolPlan
+    plan: OutputPlan
     sequence: int = 0
-    items: list[ResponseOutputMessage | ResponseFunctionCall] = field(default_factory=list)
-    message: ResponseOutputMessage | None = None  # the message item being written
+    items: list[ResponseOutputItem] = field(default_factory=list)
+    writing: ResponseReasoningItem | ResponseOutputMessage | None = None  # its text open
     text: str = ""  # its text so far
     calls: dict[int, ResponseFunctionCall] = field(default_factory=dict)  # by the call's index
     open_call: ResponseFunctionCall | None = None  # the call being written
@@ -270,7 +294,7 @@ class _ResponseEvents:
                 for c in output.outputs:
                     chunk = choice.next_chunk(c, 0)
                     if chunk is not None:
-                        for event in self._chunk(chunk.delta.content,
+                        for event in self._chunk(chunk.delta.reasoning, chunk.delta.content,
                                                  chunk.delta.tool_calls or []):
                             yield event
         except Exception as e:
@@ -292,16 +316,21 @@ class _ResponseEvents:
             "status": "failed", "output": self.items,
             "error": ResponseError(code="server_error", message=message)}))
 
-    def _chunk(self, text: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
-        if text:
-            if self.message is None:
-                yield from self._open_message()
-            message = self.message
-            assert message is not None
-            self.text += text
-            yield self.event("response.output_text.delta", item_id=message.id,
-                             output_index=self.items.index(message), content_index=0,
-                             delta=text, logprobs=[])
+    def _chunk(self, thinking: str | None, text: str | None, calls: list[DeltaToolCall]
+               ) -> Iterator[str]:
+        for kind, piece in (("reasoning", thinking), ("message", text)):
+            if not piece:
+                continue
+            if self.writing is None or self.writing.type != kind:
+                yield from self._close_items("completed")
+                yield from self._open_text(kind)
+            item = self.writing
+            assert item is not None
+            self.text += piece
+            extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+            yield self.event(_TEXT_EVENTS[kind] + ".delta", item_id=item.id,
+                             output_index=self.items.index(item), content_index=0,
+                             delta=piece, **extra)
         for delta in calls:
             call = self.calls.get(delta.index)
             if call is None:  # the items before it are whole: each is done before the next
@@ -318,26 +347,27 @@ class _ResponseEvents:
                 yield self.event("response.function_call_arguments.delta", item_id=call.id,
                                  output_index=self.items.index(call), delta=piece)
 
-    def _open_message(self) -> Iterator[str]:
-        """Opens the message item (``self.message``) and its text part."""
-        self.message = message = ResponseOutputMessage(id=_item_id("msg"),
-                                                       status="in_progress", content=[])
+    def _open_text(self, kind: str) -> Iterator[str]:
+        """Opens a text item (``self.writing``), a message or the thinking, and its part."""
+        self.writing = item = ResponseOutputMessage(
+            id=_item_id("msg"), status="in_progress", content=[]) if kind == "message" else \
+            ResponseReasoningItem(id=_item_id("rs"), status="in_progress", content=[])
         self.text = ""
-        yield from self._open(message)
-        yield self._part(message, "response.content_part.added")
+        yield from self._open(item)
+        yield self._part(item, "response.content_part.added")
 
-    def _part(self, message: ResponseOutputMessage, kind: str) -> str:
-        return self.event(kind, item_id=message.id, output_index=self.items.index(message),
-                          content_index=0, part=ResponseOutputText(text=self.text))
+    def _part(self, item: ResponseReasoningItem | ResponseOutputMessage, kind: str) -> str:
+        return self.event(kind, item_id=item.id, output_index=self.items.index(item),
+                          content_index=0, part=_text_part(item, self.text))
 
-    def _open(self, item: ResponseOutputMessage | ResponseFunctionCall) -> Iterator[str]:
+    def _open(self, item: ResponseOutputItem) -> Iterator[str]:
         self.items.append(item)
         yield self.event("response.output_item.added", output_index=len(self.items) - 1,
                          item=item.model_copy(deep=True))
 
     def _close_items(self, status: ItemStatus) -> Iterator[str]:
-        """The open message, or the call being written, done with ``status``."""
-        yield from self._close_message(status)
+        """The open text item, or the call being written, done with ``status``."""
+        yield from self._close_text(status)
         call, self.open_call = self.open_call, None
         if call is not None:
             index = self.items.index(call)
@@ -346,24 +376,29 @@ class _ResponseEvents:
             call.status = status
             yield self.event("response.output_item.done", output_index=index, item=call)
 
-    def _close_message(self, status: ItemStatus) -> Iterator[str]:
-        message, self.message = self.message, None
-        if message is None:
+    def _close_text(self, status: ItemStatus) -> Iterator[str]:
+        item, self.writing = self.writing, None
+        if item is None:
             return
-        index = self.items.index(message)
-        yield self.event("response.output_text.done", item_id=message.id, output_index=index,
-                         content_index=0, text=self.text, logprobs=[])
-        yield self._part(message, "response.content_part.done")
-        message.content = [ResponseOutputText(text=self.text)]
-        message.status = status
-        yield self.event("response.output_item.done", output_index=index, item=message)
+        index = self.items.index(item)
+        extra: dict[str, Any] = {"logprobs": []} if item.type == "message" else {}
+        yield self.event(_TEXT_EVENTS[item.type] + ".done", item_id=item.id, output_index=index,
+                         content_index=0, text=self.text, **extra)
+        yield self._part(item, "response.content_part.done")
+        if isinstance(item, ResponseOutputMessage):
+            item.content = [ResponseOutputText(text=self.text)]
+        else:
+            item.content = [ResponseReasoningText(text=self.text)]
+        item.status = status
+        yield self.event("response.output_item.done", output_index=index, item=item)
 
     def _close(self, final: RequestOutput) -> Iterator[str]:
         """Every open item closed, then the response's last event."""
         status: ItemStatus = "completed" if final.outputs[0].finish_reason in ("stop", None) \
             else "incomplete"
-        if not self.items:  # no text at all: an empty message, as a non-streamed answer has
-            yield from self._open_message()
+        if not self.calls and not any(isinstance(i, ResponseOutputMessage) for i in self.items):
+            yield from self._close_items(status)  # no answer at all (thinking, perhaps): an
+            yield from self._open_text("message")  # empty message, as a whole answer has
         yield from self._close_items(status)
         response = _finished(self.echo, final, self.items)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete",

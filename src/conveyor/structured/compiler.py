@@ -12,6 +12,7 @@ cached, so sending the schema again costs nothing.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from conveyor.sampling_params import StructuredOutputsParams
+from conveyor.sampling_params import ReasoningSection, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -97,6 +98,28 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise GrammarError("grammar", str(e)) from None
 
 
+def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenizer) -> str:
+    """``grammar`` (a Lark grammar or llguidance's JSON) after free thinking in ``section``:
+    the thinking runs to the end tag (no EOS before it), whitespace may follow, then
+    ``grammar``'s output. When the prompt did not open the section, the output may skip it."""
+    grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
+        else [{"lark_grammar": grammar}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+
+    def tag(text: str) -> str:  # a token (llguidance never reads one out of text), or text
+        token_id = tokenizer.token_to_id(text)
+        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+    if tokenizer.token_to_id(section.end) is not None:
+        thinking = f"think: /(.|\\n)*/ {tag(section.end)}"
+    else:  # the shortest text up to the end tag
+        thinking = "think[lazy]: /(.|\\n)*" + re.escape(section.end).replace("/", "\\/") + "/"
+    start = "start: think gap? @answer" if section.opened else \
+        f"start: ({tag(section.start)} think gap?)? @answer"
+    lark = f"{start}\n{thinking}\ngap: /[ \\t\\r\\n]+/\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
+
+
 class GrammarCompiler:
     """Constraint -> compiled matcher (copied per request), with a cache and a timeout."""
 
@@ -168,7 +191,10 @@ class GrammarCompiler:
     def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         start = time.perf_counter()
         try:
-            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec))
+            text = grammar_text(spec)
+            if spec.after_reasoning is not None:
+                text = after_reasoning(text, spec.after_reasoning, self.tokenizer)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, text)
             if matcher.is_error():
                 raise GrammarError(spec.kind, matcher.get_error())
         except GrammarError:

@@ -6,7 +6,7 @@
 const CHAT_STORAGE = "conveyor.chat";
 const chat = {
   model: null,
-  messages: [],  // {role, content, stats?}
+  messages: [],  // {role, content, reasoning?, stats?}
   controller: null,  // the AbortController of the answer being streamed
   el: {
     messages: document.getElementById("messages"),
@@ -53,16 +53,20 @@ function statsText(stats) {
 function addMessageElement(message) {
   const div = document.createElement("div");
   div.className = `msg ${message.role}`;
+  // A reasoning model's thinking (the server's reasoning parser), above its answer
+  const thinking = document.createElement("span");
+  thinking.className = "thinking";
+  thinking.textContent = message.reasoning || "";
   const text = document.createElement("span");
   text.className = "text";
   text.textContent = message.content;
   const stats = document.createElement("span");
   stats.className = "stats";
   stats.textContent = statsText(message.stats);
-  div.append(text, stats);
+  div.append(thinking, text, stats);
   chat.el.messages.append(div);
   chat.el.messages.scrollTop = chat.el.messages.scrollHeight;
-  return { div, text, stats };
+  return { div, thinking, text, stats };
 }
 
 function renderChat() {
@@ -109,11 +113,14 @@ async function streamAnswer(body, answer, view, signal) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usageTokens = chunk.usage.completion_tokens;
       const delta = chunk.choices?.[0]?.delta?.content;
-      if (delta) {
+      const thought = chunk.choices?.[0]?.delta?.reasoning;
+      if (delta || thought) {
         last = performance.now();
         if (first === null) first = last;
         chunks += 1;
-        answer.content += delta;
+        if (thought) answer.reasoning = (answer.reasoning || "") + thought;
+        if (delta) answer.content += delta;
+        view.thinking.textContent = answer.reasoning || "";
         view.text.textContent = answer.content;
         chat.el.messages.scrollTop = chat.el.messages.scrollHeight;
       }

@@ -1,0 +1,262 @@
+"""Reasoning models' thinking read out of their text (server/reasoning.py).
+
+The split itself (a stream cut anywhere adds up to the whole), where the section starts (the
+rendered prompt), when the parser turns itself on; a constraint applied after the thinking
+(the grammar wrapper on real llguidance matchers, then offline on a tiny random model whose
+vocabulary has <think> tokens); and the three APIs through a real `conveyor serve` on the
+default model, its output forced into a thinking-then-answer shape by a regex
+(--structured-outputs-in-reasoning), read with the official clients.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import ReasoningSection
+from conveyor.server.reasoning import (
+    THINK,
+    ReasoningStream,
+    for_prompt,
+    reasoning_section,
+    split,
+)
+from conveyor.tokenizer.tokenizer import Tokenizer
+from server_fixtures import ServerProcess, start_server, wait_idle
+
+OPEN = ReasoningSection("<think>", "</think>", opened=True)
+
+# (text, the prompt opened the section, thinking, answer)
+CASES = [
+    ("<think>\nLet me see.\n</think>\n\nParis.", False, "Let me see.", "Paris."),
+    ("  <think>a < b </thin k></think>x", False, "a < b </thin k>", "x"),
+    ("<think></think>\n\nHi", False, "", "Hi"),
+    ("Paris, no thinking <think>here</think>", False, None,
+     "Paris, no thinking <think>here</think>"),
+    ("<thi", False, None, "<thi"),
+    ("<think>\ncut short by max_tokens  ", False, "cut short by max_tokens  ", ""),
+    ("I think so.\n</think>\n\nYes.", True, "I think so.", "Yes."),
+    ("still thinking", True, "still thinking", ""),
+    ("", True, "", ""),
+    ("\n\n", False, None, "\n\n"),
+]
+
+
+@pytest.mark.parametrize(("text", "opened", "thinking", "answer"), CASES)
+def test_a_stream_cut_anywhere_adds_up_to_the_whole(text, opened, thinking, answer) -> None:
+    section = ReasoningSection("<think>", "</think>", opened)
+    assert split(section, text) == (thinking, answer)
+    rng = random.Random(len(text))
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stream = ReasoningStream(section)
+        parts = [stream.update(p, finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert "".join(t for t, _ in parts) == (thinking or "")
+        assert "".join(a for _, a in parts) == answer
+        assert stream.seen == (thinking is not None)
+
+
+def test_the_prompt_says_where_the_output_begins() -> None:
+    assert for_prompt(THINK, "<|user|>hi<|assistant|>\n<think>\n").opened  # DeepSeek-R1's
+    assert not for_prompt(THINK, "<|assistant|>\n").opened  # Qwen3's: the model opens it
+    # Qwen3 with enable_thinking false: an empty section, closed in the prompt
+    assert not for_prompt(THINK, "<|assistant|>\n<think>\n\n</think>\n\n").opened
+    assert not for_prompt(THINK, "earlier: <think>a</think> b").opened
+
+
+def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template: str) -> int:
+    """The tiny tokenizer with <think> and </think> added (as Qwen3's: not special), and a
+    chat template; its vocabulary size."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    source, _ = tiny_tokenizer
+    tok = HFTokenizer.from_file(str(source / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>",
+                                                                               "</think>")])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "chat_template": template}))
+    return int(tok.get_vocab_size())
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, tiny_tokenizer) -> Path:
+    from conftest import build_tiny_model
+
+    tokenizer_dir = tmp_path_factory.mktemp("thinking-tokenizer")
+    vocab = _thinking_tokenizer(tokenizer_dir, tiny_tokenizer, TEMPLATE)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-thinking"), tokenizer_dir, vocab,
+                            "qwen3", num_key_value_heads=2)
+
+
+def test_auto_turns_on_where_the_model_has_the_tags(thinking_model, tiny_llama_dir) -> None:
+    thinking = Tokenizer.from_hf(str(thinking_model))
+    assert reasoning_section("auto", thinking) == THINK
+    assert reasoning_section("none", thinking) is None
+    plain = Tokenizer.from_hf(str(tiny_llama_dir))  # no such tokens, no template
+    assert reasoning_section("auto", plain) is None
+    assert reasoning_section("deepseek_r1", plain) == THINK  # asked for: the tags as text
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                 "maximum": 99}},
+          "required": ["n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("tags", ["tokens", "text"])
+def test_the_constraint_applies_after_the_thinking(thinking_model, tiny_llama_dir, tags):
+    """The wrapped grammar on real matchers: free thinking up to the end tag, then the
+    schema; with the section not opened by the prompt, the thinking may be skipped."""
+    llm = LLM(model=str(thinking_model if tags == "tokens" else tiny_llama_dir),
+              dtype="float32", kv_cache_memory=1 << 20, max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    assert (tokenizer.token_to_id("</think>") is not None) == (tags == "tokens")
+    answer = '{"n": 7}'
+
+    def accepts(section: ReasoningSection, text: str) -> bool:
+        spec = StructuredOutputsParams(json=SCHEMA, after_reasoning=section)
+        matcher = llm.engine.grammars.compile(spec, count=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) \
+            and matcher.is_accepting()
+
+    closed = ReasoningSection("<think>", "</think>")
+    free = "any text {not json} at all </x>\n"
+    assert accepts(OPEN, f"{free}</think>\n\n{answer}")
+    assert accepts(OPEN, f"</think>{answer}")
+    assert not accepts(OPEN, answer)  # the prompt opened it: it must be closed first
+    assert not accepts(OPEN, f"{free}</think>\n\nnot json")
+    assert accepts(closed, f"<think>{free}</think>\n{answer}")
+    assert accepts(closed, answer)
+    assert not accepts(closed, f"{free}</think>{answer}")  # thinking needs its start tag
+
+
+def test_a_model_thinks_freely_then_answers_in_the_schema(thinking_model, kv_free) -> None:
+    """Offline, the tiny model (random outputs): a bias makes </think> come within a few
+    tokens; whatever came before it, the rest is JSON of the schema."""
+    llm = LLM(model=str(thinking_model), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=256)
+    end = llm.get_tokenizer().token_to_id("</think>")
+    spec = StructuredOutputsParams(json=SCHEMA, after_reasoning=OPEN)
+    params = [SamplingParams(max_tokens=60, seed=seed, temperature=1.0, logit_bias={end: 4.0},
+                             structured_outputs=spec) for seed in range(8)]
+    outputs = llm.generate(["user: one two three\nassistant: <think>\n"] * 8, params)
+    thought = 0
+    for out in outputs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        assert c.token_ids.count(end) == 1
+        thinking, answer = split(OPEN, c.text)
+        jsonschema.validate(json.loads(answer), SCHEMA)
+        thought += c.token_ids.index(end) > 0
+    assert thought > 0  # some thought before closing: the grammar did not force the tag
+    kv_free(llm)
+
+
+# The default model's output forced into a thinking-then-answer shape (the tags as text:
+# its vocabulary has no such tokens).
+SHAPE = r"<think>\n[a-z ]{10,40}\n</think>\n\n[A-Z][a-z ]{5,40}\."
+FORCED = {"structured_outputs": {"regex": SHAPE}}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                          "--reasoning-parser", "qwen3", "--structured-outputs-in-reasoning")
+    yield server
+    assert server.stop() == 0, server.log_tail()
+    server.remove_log()
+
+
+@pytest.fixture(scope="module")
+def forced(server: ServerProcess) -> tuple[str, str]:
+    """(thinking, answer) of the forced output, read from /v1/completions' raw text."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    ids = httpx.post(server.base_url + "/tokenize", json={"messages": ASK}).json()["tokens"]
+    raw = client.completions.create(model=server.model, prompt=ids, max_tokens=80,
+                                    temperature=0, extra_body=FORCED).choices[0].text
+    found = re.fullmatch(r"<think>\n(.*)\n</think>\n\n(.*)", raw, re.S)
+    assert found, raw
+    return found.group(1).strip(), found.group(2)
+
+
+def test_chat_returns_the_thinking_apart(server, forced) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    kwargs = {"model": server.model, "messages": ASK, "max_tokens": 80, "temperature": 0}
+    message = client.chat.completions.create(**kwargs, extra_body=FORCED).choices[0].message
+    assert (message.content, message.reasoning, message.reasoning_content) == \
+        (forced[1], forced[0], forced[0])  # type: ignore[attr-defined]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=FORCED))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == forced[0]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == forced[0]
+    assert "".join(d.content or "" for d in deltas) == forced[1]
+    hidden = client.chat.completions.create(**kwargs, extra_body={**FORCED,
+                                                                  "include_reasoning": False})
+    assert hidden.choices[0].message.content == forced[1]
+    assert getattr(hidden.choices[0].message, "reasoning", None) is None
+    # The thinking sent back (either name) is taken: the template gets reasoning_content
+    turn = [*ASK, {"role": "assistant", "content": forced[1], "reasoning": forced[0]},
+            {"role": "user", "content": "And of Spain?"}]
+    again = client.chat.completions.create(**{**kwargs, "messages": turn}, extra_body=FORCED)
+    assert again.choices[0].message.content
+    wait_idle(server)
+
+
+def test_messages_return_a_thinking_block(server, forced) -> None:
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    kwargs = {"model": server.model, "max_tokens": 80, "messages": ASK,
+              "extra_body": {"temperature": 0, **FORCED}}
+    message = client.messages.create(**kwargs)  # type: ignore[arg-type]
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == forced[0]  # type: ignore[union-attr]
+    assert message.content[1].text == forced[1]  # type: ignore[union-attr]
+    with client.messages.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.model_dump()["content"] == message.model_dump()["content"]
+    kinds = [e.type for e in events if e.type.startswith("content_block")]
+    assert kinds[0] == "content_block_start" and kinds[-1] == "content_block_stop"
+    assert sum(k == "content_block_start" for k in kinds) == 2
+
+
+def test_responses_return_a_reasoning_item(server, forced) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    kwargs = {"model": server.model, "input": ASK[0]["content"], "max_output_tokens": 80,
+              "temperature": 0, "extra_body": FORCED}
+    response = client.responses.create(**kwargs)  # type: ignore[call-overload]
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == forced[0]
+    assert response.output_text == forced[1]
+    with client.responses.stream(**kwargs) as stream:  # type: ignore[call-overload]
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == forced[0] and len(deltas) >= 2
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == forced[0] and final.output_text == forced[1]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # The reasoning item as the next turn's input is taken
+    turn = [{"role": "user", "content": ASK[0]["content"]}, response.output[0].model_dump(),
+            {"role": "assistant", "content": forced[1]}, {"role": "user", "content": "Spain?"}]
+    assert client.responses.create(**{**kwargs, "input": turn}).output_text
+    wait_idle(server)
