@@ -72,7 +72,12 @@ def test_the_prompt_says_where_the_output_begins() -> None:
     assert not for_prompt(THINK, "<|assistant|>\n").opened  # Qwen3's: the model opens it
     # Qwen3 with enable_thinking false: an empty section, closed in the prompt
     assert not for_prompt(THINK, "<|assistant|>\n<think>\n\n</think>\n\n").opened
-    assert not for_prompt(THINK, "earlier: <think>a</think> b").opened
+    # A user's words that mention the tag open nothing
+    assert not for_prompt(THINK, "<|user|>What is <think> for?<|assistant|>\n").opened
+    # Continuing an assistant message: its own words say
+    prompt = "<|user|>hi<|assistant|>\n<think>\nI should"
+    assert for_prompt(THINK, prompt, prefill="<think>\nI should").opened
+    assert not for_prompt(THINK, prompt + "</think>\nSo", prefill="<think>a</think>\nSo").opened
 
 
 def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template: str) -> int:

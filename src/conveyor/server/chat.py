@@ -272,7 +272,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     ids, text = await asyncio.to_thread(render_conversation, state, req.messages,
                                         add_generation_prompt, req.chat_template_kwargs,
                                         plan.tools, continue_final_message)
-    plan, constraint = _with_reasoning(state, req, plan, constraint, text)
+    prefill = template_messages(req.messages[-1:])[0].get("content") or "" \
+        if continue_final_message else None
+    plan, constraint = _with_reasoning(state, req, plan, constraint, text, prefill)
     try:
         params = sampling_params(req, max_tokens, num_logprobs,
                                  constraint.params if constraint else None,
@@ -300,14 +302,15 @@ def _constraint(req: ChatCompletionRequest, plan: OutputPlan) -> Constraint | No
 
 
 def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: OutputPlan,
-                    constraint: Constraint | None, prompt: str
+                    constraint: Constraint | None, prompt: str, prefill: str | None
                     ) -> tuple[OutputPlan, Constraint | None]:
     """The plan reading the thinking out of the output, and the constraint applying after
     it (unless --structured-outputs-in-reasoning), where the server has a reasoning parser;
-    the section open or not as the rendered ``prompt`` leaves it."""
+    the section open or not as the rendered ``prompt`` (or the assistant message it
+    continues, ``prefill``) leaves it."""
     if state.reasoning is None:
         return plan, constraint
-    section = reasoning.for_prompt(state.reasoning, prompt)
+    section = reasoning.for_prompt(state.reasoning, prompt, prefill)
     if constraint is not None and not state.config.structured_outputs_in_reasoning:
         constraint = dataclasses.replace(constraint, params=dataclasses.replace(
             constraint.params, after_reasoning=section))

@@ -9,8 +9,9 @@ think first (``StructuredOutputsParams.after_reasoning``).
 
 Where the thinking starts is read from the rendered prompt, not guessed from the parser's
 name: a template that ends its prompt with ``<think>`` (DeepSeek-R1's, Qwen3-Thinking-2507's)
-leaves the section open, so the output begins inside it; otherwise the output may open one
-itself, first thing (Qwen3's). vLLM's parser names, ``deepseek_r1`` and ``qwen3``, are taken
+leaves the section open, so the output begins inside it (as does an assistant message
+continued after its ``<think>``); otherwise the output may open one itself, first thing
+(Qwen3's). vLLM's parser names, ``deepseek_r1`` and ``qwen3``, are taken
 and behave alike here.
 """
 
@@ -49,11 +50,16 @@ def reasoning_section(name: str, tokenizer: Tokenizer | None) -> ReasoningSectio
     return None
 
 
-def for_prompt(section: ReasoningSection, prompt: str) -> ReasoningSection:
-    """``section`` as the rendered prompt leaves it: open (the output begins inside it) when
-    its last start tag comes after its last end tag."""
-    return dataclasses.replace(section,
-                               opened=prompt.rfind(section.start) > prompt.rfind(section.end))
+def for_prompt(section: ReasoningSection, prompt: str, prefill: str | None = None
+               ) -> ReasoningSection:
+    """``section`` as the rendered ``prompt`` leaves it: open (the output begins inside it)
+    when the template's generation prompt ends with the start tag (DeepSeek-R1's, QwQ's,
+    Qwen3-Thinking-2507's) or, continuing an assistant message (``prefill``, its text), when
+    that message has a start tag its end tag does not follow. (A tag in a user's words
+    earlier in the prompt opens nothing.)"""
+    opened = prefill.rfind(section.start) > prefill.rfind(section.end) if prefill is not None \
+        else prompt.rstrip().endswith(section.start)
+    return dataclasses.replace(section, opened=opened)
 
 
 class _State(Enum):
