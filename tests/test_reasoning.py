@@ -10,6 +10,7 @@ default model, its output forced into a thinking-then-answer shape by a regex
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -31,6 +32,8 @@ from conveyor.server.reasoning import (
     reasoning_section,
     split,
 )
+from conveyor.server.tools import HermesToolParser
+from conveyor.structured.compiler import lark_literal
 from conveyor.tokenizer.tokenizer import Tokenizer
 from server_fixtures import ServerProcess, start_server, wait_idle
 
@@ -40,14 +43,14 @@ OPEN = ReasoningSection("<think>", "</think>", opened=True)
 CASES = [
     ("<think>\nLet me see.\n</think>\n\nParis.", False, "Let me see.", "Paris."),
     ("  <think>a < b </thin k></think>x", False, "a < b </thin k>", "x"),
-    ("<think></think>\n\nHi", False, "", "Hi"),
+    ("<think></think>\n\nHi", False, None, "Hi"),  # empty: none (a stream sends nothing)
     ("Paris, no thinking <think>here</think>", False, None,
      "Paris, no thinking <think>here</think>"),
     ("<thi", False, None, "<thi"),
     ("<think>\ncut short by max_tokens  ", False, "cut short by max_tokens  ", ""),
     ("I think so.\n</think>\n\nYes.", True, "I think so.", "Yes."),
     ("still thinking", True, "still thinking", ""),
-    ("", True, "", ""),
+    ("", True, None, ""),
     ("\n\n", False, None, "\n\n"),
 ]
 
@@ -64,32 +67,36 @@ def test_a_stream_cut_anywhere_adds_up_to_the_whole(text, opened, thinking, answ
         parts = [stream.update(p, finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
         assert "".join(t for t, _ in parts) == (thinking or "")
         assert "".join(a for _, a in parts) == answer
-        assert stream.seen == (thinking is not None)
 
 
 def test_the_prompt_says_where_the_output_begins() -> None:
-    assert for_prompt(THINK, "<|user|>hi<|assistant|>\n<think>\n").opened  # DeepSeek-R1's
-    assert not for_prompt(THINK, "<|assistant|>\n").opened  # Qwen3's: the model opens it
-    # Qwen3 with enable_thinking false: an empty section, closed in the prompt
-    assert not for_prompt(THINK, "<|assistant|>\n<think>\n\n</think>\n\n").opened
+    def opened(prompt: str, prefill: str | None = None) -> bool | None:
+        section = for_prompt(THINK, prompt, prefill)
+        return None if section is None else section.opened
+
+    assert opened("<|user|>hi<|assistant|>\n<think>\n")  # DeepSeek-R1's
+    assert opened("<|assistant|>\n") is False  # Qwen3's: the model may open it
+    # Qwen3 with enable_thinking false: an empty section, closed in the prompt: none to read
+    assert opened("<|assistant|>\n<think>\n\n</think>\n\n") is None
     # A user's words that mention the tag open nothing
-    assert not for_prompt(THINK, "<|user|>What is <think> for?<|assistant|>\n").opened
+    assert opened("<|user|>What is <think> for?<|assistant|>\n") is False
     # Continuing an assistant message: its own words say
     prompt = "<|user|>hi<|assistant|>\n<think>\nI should"
-    assert for_prompt(THINK, prompt, prefill="<think>\nI should").opened
-    assert not for_prompt(THINK, prompt + "</think>\nSo", prefill="<think>a</think>\nSo").opened
+    assert opened(prompt, prefill="<think>\nI should")
+    assert opened(prompt + "</think>\nSo", prefill="<think>a</think>\nSo") is None
+    assert opened(prompt, prefill="Sure") is False
 
 
 def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template: str) -> int:
-    """The tiny tokenizer with <think> and </think> added (as Qwen3's: not special), and a
-    chat template; its vocabulary size."""
+    """The tiny tokenizer with Qwen3's added tokens (not special): <think>, </think>,
+    <tool_call>, </tool_call>; and a chat template; its vocabulary size."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
     source, _ = tiny_tokenizer
     tok = HFTokenizer.from_file(str(source / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>",
-                                                                               "</think>")])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = json.loads((source / "tokenizer_config.json").read_text())
@@ -152,6 +159,12 @@ def test_the_constraint_applies_after_the_thinking(thinking_model, tiny_llama_di
     assert accepts(closed, f"<think>{free}</think>\n{answer}")
     assert accepts(closed, answer)
     assert not accepts(closed, f"{free}</think>{answer}")  # thinking needs its start tag
+    # At most a few whitespace characters between: a small model offered more can write
+    # newlines forever (the JSON itself has no free whitespace)
+    assert accepts(OPEN, f"</think>\n\n{answer}")
+    assert not accepts(OPEN, f"</think>{chr(10) * 12}{answer}")
+    # Thinking may mention other added tokens (Qwen3 thinks about its <tool_call>s)
+    assert accepts(OPEN, f"I will write <tool_call> next</think>{answer}")
 
 
 def test_a_model_thinks_freely_then_answers_in_the_schema(thinking_model, kv_free) -> None:
@@ -176,6 +189,28 @@ def test_a_model_thinks_freely_then_answers_in_the_schema(thinking_model, kv_fre
     kv_free(llm)
 
 
+def test_a_forced_tool_call_on_a_vocabulary_with_tag_tokens(thinking_model, kv_free) -> None:
+    """Qwen's <tool_call> and </tool_call> are tokens: the call's grammar writes them as
+    tokens (llguidance never spells a token out of text: the call could not end)."""
+    llm = LLM(model=str(thinking_model), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
+    parser = HermesToolParser(forced=True)
+    grammar = parser.grammar(tools, parallel=False,
+                             literal=functools.partial(lark_literal, tokenizer))
+    params = [SamplingParams(max_tokens=40, seed=seed, temperature=1.0,
+                             structured_outputs=StructuredOutputsParams(grammar=grammar))
+              for seed in range(4)]
+    for out in llm.generate(["user: call f\nassistant: "] * 4, params):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        content, (call,) = parser.parse(c.text)
+        assert not content and call.name == "f"
+        jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    kv_free(llm)
+
+
 # The default model's output forced into a thinking-then-answer shape (the tags as text:
 # its vocabulary has no such tokens).
 SHAPE = r"<think>\n[a-z ]{10,40}\n</think>\n\n[A-Z][a-z ]{5,40}\."
@@ -193,15 +228,18 @@ def server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def forced(server: ServerProcess) -> tuple[str, str]:
-    """(thinking, answer) of the forced output, read from /v1/completions' raw text."""
+def forced(server: ServerProcess) -> tuple[str, str, int]:
+    """(thinking, answer, tokens up to the end tag) of the forced output, read from
+    /v1/completions' raw text."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     ids = httpx.post(server.base_url + "/tokenize", json={"messages": ASK}).json()["tokens"]
-    raw = client.completions.create(model=server.model, prompt=ids, max_tokens=80,
-                                    temperature=0, extra_body=FORCED).choices[0].text
-    found = re.fullmatch(r"<think>\n(.*)\n</think>\n\n(.*)", raw, re.S)
-    assert found, raw
-    return found.group(1).strip(), found.group(2)
+    choice = client.completions.create(model=server.model, prompt=ids, max_tokens=80,
+                                       temperature=0, logprobs=0, extra_body=FORCED).choices[0]
+    found = re.fullmatch(r"<think>\n(.*)\n</think>\n\n(.*)", choice.text, re.S)
+    assert found and choice.logprobs and choice.logprobs.tokens, choice
+    pieces = choice.logprobs.tokens
+    thought = next(i for i in range(len(pieces)) if "</think>" in "".join(pieces[:i + 1]))
+    return found.group(1).strip(), found.group(2), thought + 1
 
 
 def test_chat_returns_the_thinking_apart(server, forced) -> None:
@@ -260,6 +298,14 @@ def test_responses_return_a_reasoning_item(server, forced) -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == forced[0] and final.output_text == forced[1]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Cut in the answer: the thinking was done, the message was not (the same streamed)
+    cut = {**kwargs, "max_output_tokens": forced[2] + 3}
+    whole = client.responses.create(**cut)
+    with client.responses.stream(**cut) as stream:
+        last = list(stream)[-1]
+    assert whole.status == last.response.status == "incomplete"  # type: ignore[union-attr]
+    assert [i.status for i in whole.output] == ["completed", "incomplete"]
+    assert [i.status for i in last.response.output] == ["completed", "incomplete"]  # type: ignore[union-attr]
     # The reasoning item as the next turn's input is taken
     turn = [{"role": "user", "content": ASK[0]["content"]}, response.output[0].model_dump(),
             {"role": "assistant", "content": forced[1]}, {"role": "user", "content": "Spain?"}]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ from conveyor.server.tools import (
     messages_for_template,
     template_supports_tools,
 )
+from conveyor.structured.compiler import lark_literal
 
 # Names render_chat_template binds itself: chat_template_kwargs may not override them (the
 # two flags they may set are read by ``template_flags``).
@@ -238,8 +241,10 @@ def plan_tools(state: ServerState, req: ChatCompletionRequest) -> OutputPlan:
         if not selected:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, "
                               "which is not in tools", "tool_choice")
+    tokenizer = state.engine.tokenizer
+    literal = functools.partial(lark_literal, tokenizer) if tokenizer else json.dumps
     try:
-        grammar = parser.grammar(selected,
+        grammar = parser.grammar(selected, literal=literal,
                                  parallel=choice == "required" and req.parallel_tool_calls)
     except ValueError as e:
         raise bad_request(str(e), "tools") from None
@@ -308,9 +313,10 @@ def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: Output
     it (unless --structured-outputs-in-reasoning), where the server has a reasoning parser;
     the section open or not as the rendered ``prompt`` (or the assistant message it
     continues, ``prefill``) leaves it."""
-    if state.reasoning is None:
+    section = reasoning.for_prompt(state.reasoning, prompt, prefill) \
+        if state.reasoning is not None else None
+    if section is None:
         return plan, constraint
-    section = reasoning.for_prompt(state.reasoning, prompt, prefill)
     if constraint is not None and not state.config.structured_outputs_in_reasoning:
         constraint = dataclasses.replace(constraint, params=dataclasses.replace(
             constraint.params, after_reasoning=section))

@@ -51,15 +51,22 @@ def reasoning_section(name: str, tokenizer: Tokenizer | None) -> ReasoningSectio
 
 
 def for_prompt(section: ReasoningSection, prompt: str, prefill: str | None = None
-               ) -> ReasoningSection:
-    """``section`` as the rendered ``prompt`` leaves it: open (the output begins inside it)
-    when the template's generation prompt ends with the start tag (DeepSeek-R1's, QwQ's,
-    Qwen3-Thinking-2507's) or, continuing an assistant message (``prefill``, its text), when
-    that message has a start tag its end tag does not follow. (A tag in a user's words
-    earlier in the prompt opens nothing.)"""
-    opened = prefill.rfind(section.start) > prefill.rfind(section.end) if prefill is not None \
-        else prompt.rstrip().endswith(section.start)
-    return dataclasses.replace(section, opened=opened)
+               ) -> ReasoningSection | None:
+    """``section`` as the rendered ``prompt`` leaves it, or None when the prompt already
+    closed it (Qwen3's template with enable_thinking false writes an empty one): no
+    thinking to read, a constraint from the first token (as vLLM). Open (the output begins
+    inside it) when the template's generation prompt ends with the start tag (DeepSeek-R1's,
+    QwQ's, Qwen3-Thinking-2507's) or, continuing an assistant message (``prefill``, its
+    text), when that message's last tag is a start tag. (A tag in a user's words earlier in
+    the prompt opens nothing.)"""
+    if prefill is not None:
+        start, end = prefill.rfind(section.start), prefill.rfind(section.end)
+    else:
+        tail = prompt.rstrip()
+        start, end = int(tail.endswith(section.start)), int(tail.endswith(section.end))
+    if end > start:
+        return None
+    return dataclasses.replace(section, opened=start > end)
 
 
 class _State(Enum):
@@ -83,11 +90,9 @@ class ReasoningStream:
     section: ReasoningSection  # its ``opened``: the prompt left it open
     _state: _State = field(init=False)
     _held: str = ""
-    seen: bool = False  # the output has a thinking section (possibly empty)
 
     def __post_init__(self) -> None:
         self._state = _State.OPENING if self.section.opened else _State.START
-        self.seen = self.section.opened
 
     def update(self, delta: str, finished: bool) -> tuple[str, str]:
         """(thinking, answer) text new with ``delta``; ``finished``: nothing more comes."""
@@ -96,8 +101,7 @@ class ReasoningStream:
             if self._state is _State.START:
                 stripped = text.lstrip()
                 if stripped.startswith(self.section.start):
-                    text, self._state, self.seen = stripped[len(self.section.start):], \
-                        _State.OPENING, True
+                    text, self._state = stripped[len(self.section.start):], _State.OPENING
                     continue
                 if self.section.start.startswith(stripped) and not finished:
                     break  # whitespace, or the tag's beginning: wait for more
@@ -137,7 +141,7 @@ def _held_back(text: str, tag: str) -> int:
 
 
 def split(section: ReasoningSection, text: str) -> tuple[str | None, str]:
-    """(thinking, answer) of a whole output: thinking None when the output has no section."""
-    stream = ReasoningStream(section)
-    thinking, answer = stream.update(text, finished=True)
-    return (thinking if stream.seen else None), answer
+    """(thinking, answer) of a whole output: thinking None when there is none (no section,
+    or an empty one: a stream sends nothing for it either)."""
+    thinking, answer = ReasoningStream(section).update(text, finished=True)
+    return thinking or None, answer

@@ -219,8 +219,9 @@ def _output_items(final: RequestOutput, chat: PreparedChat
     thinking, content, calls = plan.parse(c.text)
     status: ItemStatus = "completed" if c.finish_reason in ("stop", None) else "incomplete"
     items: list[ResponseOutputItem] = []
-    if thinking is not None:
-        items.append(ResponseReasoningItem(id=_item_id("rs"), status=status,
+    if thinking is not None:  # done once the answer began (the stream closes it then)
+        items.append(ResponseReasoningItem(id=_item_id("rs"),
+                                           status="completed" if content or calls else status,
                                            content=[ResponseReasoningText(text=thinking)]))
     if content or not calls:
         items.append(ResponseOutputMessage(id=_item_id("msg"), status=status,

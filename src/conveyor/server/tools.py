@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,9 +159,12 @@ class HermesToolParser:
             return text[:first]
         return text[:len(text) - _partial_tag(text, self.start)]
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
+                literal: Callable[[str], str] = json.dumps) -> str:
         """A Lark grammar (llguidance's, `%json` embeds a schema) for one or more calls of
-        these tools, in this parser's syntax, with arguments valid against their schemas."""
+        these tools, in this parser's syntax, with arguments valid against their schemas.
+        ``literal``: a tag as the grammar writes it (``compiler.lark_literal``: the token
+        where the vocabulary has one)."""
         parameters, definitions = _hoisted_definitions(tools)
         options = [{"type": "object",
                     "properties": {"name": {"const": tool_function(t)["name"]},
@@ -168,7 +172,8 @@ class HermesToolParser:
                     "required": ["name", "arguments"], "additionalProperties": False}
                    for t, arguments in zip(tools, parameters, strict=True)]
         schema = {"anyOf": options, **definitions, "x-guidance": JSON_OPTIONS}
-        call = f'"{self.start}\\n" %json {json.dumps(schema)} "\\n{self.end}"'
+        body = f'"\\n" %json {json.dumps(schema)} "\\n"'
+        call = f"{literal(self.start)} {body} {literal(self.end)}"
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:

@@ -11,6 +11,7 @@ cached, so sending the schema again costs nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -98,25 +99,32 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise GrammarError("grammar", str(e)) from None
 
 
+def lark_literal(tokenizer: Tokenizer, text: str) -> str:
+    """``text`` in a Lark grammar: its token where the vocabulary has it as one (an added
+    token such as Qwen's ``<tool_call>``: llguidance never reads one out of text, nor spells
+    it out), else the text."""
+    token_id = tokenizer.token_to_id(text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
 def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenizer) -> str:
     """``grammar`` (a Lark grammar or llguidance's JSON) after free thinking in ``section``:
-    the thinking runs to the end tag (no EOS before it), whitespace may follow, then
-    ``grammar``'s output. When the prompt did not open the section, the output may skip it."""
+    the thinking runs to the end tag (no EOS before it), up to 4 whitespace characters may
+    follow (a model offered more can emit newlines forever), then ``grammar``'s output.
+    When the prompt did not open the section, the output may skip it."""
     grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
         else [{"lark_grammar": grammar}]
     grammars[0] = {**grammars[0], "name": "answer"}
-
-    def tag(text: str) -> str:  # a token (llguidance never reads one out of text), or text
-        token_id = tokenizer.token_to_id(text)
-        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
-
-    if tokenizer.token_to_id(section.end) is not None:
-        thinking = f"think: /(.|\\n)*/ {tag(section.end)}"
+    tag = functools.partial(lark_literal, tokenizer)
+    end = tokenizer.token_to_id(section.end)
+    if end is not None:  # any token but the end tag and EOS (added ones too: <tool_call>)
+        banned = ",".join(map(str, (end, *tokenizer.eos_token_ids)))
+        thinking = f"think: <[^{banned}]>* {tag(section.end)}"
     else:  # the shortest text up to the end tag
         thinking = "think[lazy]: /(.|\\n)*" + re.escape(section.end).replace("/", "\\/") + "/"
     start = "start: think gap? @answer" if section.opened else \
         f"start: ({tag(section.start)} think gap?)? @answer"
-    lark = f"{start}\n{thinking}\ngap: /[ \\t\\r\\n]+/\n"
+    lark = f"{start}\n{thinking}\ngap: /[ \\t\\r\\n]{{1,4}}/\n"
     return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
 
 
