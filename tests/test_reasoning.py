@@ -10,6 +10,7 @@ default model, its output forced into a thinking-then-answer shape by a regex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -26,6 +27,7 @@ import pytest
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.sampling_params import ReasoningSection
 from conveyor.server.reasoning import (
+    ANY_ANSWER,
     THINK,
     ReasoningStream,
     for_prompt,
@@ -106,7 +108,9 @@ def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template
 
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
+            "{% if add_generation_prompt %}assistant: <think>\n"
+            "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n"
+            "{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +169,24 @@ def test_the_constraint_applies_after_the_thinking(thinking_model, tiny_llama_di
     assert not accepts(OPEN, f"</think>{chr(10) * 12}{answer}")
     # Thinking may mention other added tokens (Qwen3 thinks about its <tool_call>s)
     assert accepts(OPEN, f"I will write <tool_call> next</think>{answer}")
+
+
+def test_a_budget_bounds_the_thinking_offline(thinking_model, kv_free) -> None:
+    """thinking_token_budget as a grammar: at most that many thinking tokens, then the end
+    tag is the only token allowed; the answer after it is free."""
+    llm = LLM(model=str(thinking_model), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=256)
+    end = llm.get_tokenizer().token_to_id("</think>")
+    for budget in (0, 3, 7):
+        section = dataclasses.replace(OPEN, budget=budget)
+        spec = StructuredOutputsParams(grammar=ANY_ANSWER, after_reasoning=section)
+        params = [SamplingParams(max_tokens=20, seed=seed, temperature=1.0,
+                                 structured_outputs=spec) for seed in range(4)]
+        ends = [out.outputs[0].token_ids.index(end)
+                for out in llm.generate(["user: one two\nassistant: <think>\n"] * 4, params)]
+        assert all(i <= budget for i in ends), (budget, ends)
+        assert budget in ends  # (a random model rarely closes it sooner: the budget did)
+    kv_free(llm)
 
 
 def test_a_model_thinks_freely_then_answers_in_the_schema(thinking_model, kv_free) -> None:
@@ -311,3 +333,41 @@ def test_responses_return_a_reasoning_item(server, forced) -> None:
             {"role": "assistant", "content": forced[1]}, {"role": "user", "content": "Spain?"}]
     assert client.responses.create(**{**kwargs, "input": turn}).output_text
     wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_model) -> Iterator[ServerProcess]:
+    """The tiny thinking model (random outputs) served; its parser on by itself (auto)."""
+    server = start_server("--model", str(thinking_model), "--dtype", "float32",
+                          "--max-model-len", "256", "--kv-cache-memory", "1MiB")
+    yield server
+    assert server.stop() == 0, server.log_tail()
+    server.remove_log()
+
+
+def test_a_thinking_budget_over_http(thinking_server, server) -> None:
+    """thinking_token_budget (vLLM's) on chat, Anthropic's thinking.budget_tokens on
+    /v1/messages; thinking disabled there reaches the template; a 400 where the thinking
+    cannot be bounded (its end tag is text)."""
+    client = openai.OpenAI(base_url=thinking_server.base_url + "/v1", api_key="x",
+                           max_retries=0)
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model=thinking_server.model, messages=ASK, max_tokens=12, temperature=1.0,
+            seed=seed, logprobs=True, extra_body={"thinking_token_budget": 2})
+        tokens = [t.token for t in answer.choices[0].logprobs.content]  # type: ignore[union-attr]
+        assert "</think>" in tokens[:3], tokens
+        assert answer.choices[0].message.reasoning is not None  # type: ignore[attr-defined]
+    messages = anthropic.Anthropic(base_url=thinking_server.base_url, api_key="x",
+                                   max_retries=0).messages
+    budgeted = messages.create(model="any", max_tokens=12, messages=ASK,
+                               thinking={"type": "enabled", "budget_tokens": 1})
+    assert budgeted.content[0].type == "thinking"
+    assert budgeted.usage.output_tokens == 12  # (the random model rarely stops sooner)
+    off = messages.create(model="any", max_tokens=5, messages=ASK,
+                          thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]  # the prompt closed the thinking
+    text_tags = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        text_tags.chat.completions.create(model=server.model, messages=ASK, max_tokens=5,
+                                          extra_body={"thinking_token_budget": 8})

@@ -41,6 +41,8 @@ class ReasoningSection:
     start: str
     end: str
     opened: bool = False  # the prompt left the section open: the output begins inside it
+    # At most this many tokens inside (then only the end tag; it must be a token); None: any
+    budget: int | None = None
 
 
 @dataclass(frozen=True)

@@ -312,16 +312,49 @@ def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: Output
     """The plan reading the thinking out of the output, and the constraint applying after
     it (unless --structured-outputs-in-reasoning), where the server has a reasoning parser;
     the section open or not as the rendered ``prompt`` (or the assistant message it
-    continues, ``prefill``) leaves it."""
+    continues, ``prefill``) leaves it. A thinking_token_budget is a grammar too (any answer
+    after at most that many thinking tokens)."""
+    budget = _thinking_budget(state, req)
     section = reasoning.for_prompt(state.reasoning, prompt, prefill) \
         if state.reasoning is not None else None
-    if section is None:
+    if section is None:  # (the prompt closed the section: nothing to think, nor to budget)
         return plan, constraint
-    if constraint is not None and not state.config.structured_outputs_in_reasoning:
+    section = dataclasses.replace(section, budget=budget)
+    if budget is not None and constraint is None:
+        constraint = Constraint(StructuredOutputsParams(grammar=reasoning.ANY_ANSWER),
+                                "thinking_token_budget", "thinking_token_budget")
+    elif budget is not None and state.config.structured_outputs_in_reasoning:
+        raise bad_request("thinking_token_budget cannot bound the thinking of a constrained "
+                          "request on a server started with --structured-outputs-in-reasoning",
+                          "thinking_token_budget")
+    if constraint is not None and (budget is not None
+                                   or not state.config.structured_outputs_in_reasoning):
         constraint = dataclasses.replace(constraint, params=dataclasses.replace(
             constraint.params, after_reasoning=section))
     return dataclasses.replace(plan, reasoning=section,
                                include_reasoning=req.include_reasoning), constraint
+
+
+def _thinking_budget(state: ServerState, req: ChatCompletionRequest) -> int | None:
+    """The request's thinking_token_budget (vLLM's); 400 where it cannot apply."""
+    budget = req.thinking_token_budget
+    if budget is None:
+        return None
+    if budget < 0:
+        raise bad_request(f"thinking_token_budget must be at least 0, got {budget}",
+                          "thinking_token_budget")
+    if not can_budget_thinking(state):
+        raise bad_request("thinking_token_budget needs a reasoning model whose vocabulary has "
+                          "the thinking's end tag as a token, and --reasoning-parser",
+                          "thinking_token_budget")
+    return budget
+
+
+def can_budget_thinking(state: ServerState) -> bool:
+    """The server reads thinking (a reasoning parser) and can bound it: its end tag is a
+    token (the grammar allows only it once the budget is spent)."""
+    return state.reasoning is not None and \
+        state.engine.tokenizer.token_to_id(state.reasoning.end) is not None
 
 
 def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:

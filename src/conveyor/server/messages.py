@@ -27,6 +27,7 @@ from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import (
     OutputPlan,
+    can_budget_thinking,
     chat_request_of,
     prepare_chat_as,
     render_prompt,
@@ -72,7 +73,7 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 async def create_message(state: ServerState, req: MessagesRequest,
                          raw: Request) -> Response | MessagesResponse:
-    chat_req = chat_request_of(_chat_body(req), _PARAMS)
+    chat_req = chat_request_of({**_chat_body(req), **_thinking(state, req)}, _PARAMS)
     try:
         chat = await prepare_chat_as(state, chat_req, _PARAMS)
     except APIError as e:
@@ -115,6 +116,22 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountToke
                                   chat_req.add_generation_prompt, None, tools,
                                   chat_req.continue_final_message)
     return CountTokensResponse(input_tokens=len(ids))
+
+
+def _thinking(state: ServerState, req: MessagesRequest) -> dict[str, Any]:
+    """Anthropic's `thinking` in the chat's terms: "disabled" asks the template not to
+    think (Qwen3's reads enable_thinking; others ignore it); "enabled" with budget_tokens
+    bounds the thinking where the server can (thinking_token_budget); else ignored."""
+    thinking = req.thinking or {}
+    if thinking.get("type") == "disabled":
+        kwargs = (req.model_extra or {}).get("chat_template_kwargs") or {}
+        return {"chat_template_kwargs": {"enable_thinking": False, **kwargs}} \
+            if isinstance(kwargs, dict) else {}  # (not a dict: the chat request's 400)
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") == "enabled" and isinstance(budget, int) and \
+            can_budget_thinking(state):
+        return {"thinking_token_budget": budget}
+    return {}
 
 
 def _chat_body(req: CountTokensRequest) -> dict[str, Any]:

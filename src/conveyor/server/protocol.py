@@ -217,6 +217,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: False drops a reasoning model's thinking
+    # vLLM's: at most this many thinking tokens, then the end tag is forced (a grammar)
+    thinking_token_budget: Int64 | None = None
 
     unsupported: ClassVar[dict[str, Any]] = {**_SamplingFields.unsupported, "echo": False,
                                              "best_of": 1, "add_special_tokens": False}

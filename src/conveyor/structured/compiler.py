@@ -109,7 +109,8 @@ def lark_literal(tokenizer: Tokenizer, text: str) -> str:
 
 def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenizer) -> str:
     """``grammar`` (a Lark grammar or llguidance's JSON) after free thinking in ``section``:
-    the thinking runs to the end tag (no EOS before it), up to 4 whitespace characters may
+    the thinking runs to the end tag (no EOS before it; after ``section.budget`` tokens,
+    only the end tag), up to 4 whitespace characters may
     follow (a model offered more can emit newlines forever), then ``grammar``'s output.
     When the prompt did not open the section, the output may skip it."""
     grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
@@ -119,7 +120,11 @@ def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenize
     end = tokenizer.token_to_id(section.end)
     if end is not None:  # any token but the end tag and EOS (added ones too: <tool_call>)
         banned = ",".join(map(str, (end, *tokenizer.eos_token_ids)))
-        thinking = f"think: <[^{banned}]>* {tag(section.end)}"
+        repeat = "*" if section.budget is None else f"{{0,{section.budget}}}"
+        body = "" if section.budget == 0 else f"<[^{banned}]>{repeat} "
+        thinking = f"think: {body}{tag(section.end)}"
+    elif section.budget is not None:
+        raise GrammarError("thinking_token_budget", f"{section.end} is not a token here")
     else:  # the shortest text up to the end tag
         thinking = "think[lazy]: /(.|\\n)*" + re.escape(section.end).replace("/", "\\/") + "/"
     start = "start: think gap? @answer" if section.opened else \
