@@ -17,7 +17,12 @@ import pytest
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.bench.datasets import sample_json_schema_requests
-from conveyor.server.tools import HermesToolParser, ToolCallStream
+from conveyor.server.tools import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallStream,
+    ToolParser,
+)
 
 PROMPTS = ["one two three", "the cat sat on", "東京 日本語 Привет", "def return print"]
 
@@ -285,9 +290,19 @@ TEXTS = [
     '<tool_call>\n{"name": "f"}\n</tool_call><tool_call>{"name": "g", "arguments": {"a": "é',
     '<tool_call>{"name": "f", "arguments": {"a": true,\n  "b": nul',  # cut by max_tokens
 ]
+# Llama 3's (llama3_json): the output is the calls, or content
+LLAMA3_TEXTS = [
+    '{"name": "f", "parameters": {"a": 1}}',
+    '<|python_tag|>{"name": "f", "parameters": {"a": "}; {"}}; {"name": "g", "parameters": {}}',
+    "  Paris is the capital; {\"name\": \"f\"} is not a call here",
+    '{"answer": 42, "name": 7}',  # JSON, but no call: content
+    ' {"parameters": {"b": [1, 2]}, "name": "h"}  ;{"name": "i", "parameters": {"s": "é',
+    '<|python_tag|>{"name": "f", "parameters": {"a": true,\n  "b": nul',  # cut by max_tokens
+    "<|python_ta",  # cut inside the tag: content (it is not a call)
+]
 
 
-def _reassemble(parser: HermesToolParser, text: str, ends: list[int]
+def _reassemble(parser: ToolParser, text: str, ends: list[int]
                 ) -> tuple[str | None, list[tuple[str, str, str]], list[int]]:
     """(content, [(id, name, arguments)], argument deltas per call) of a stream cut at
     ``ends``; each call's id and name come once, in its first delta."""
@@ -308,9 +323,9 @@ def _reassemble(parser: HermesToolParser, text: str, ends: list[int]
     return content or None, [tuple(c) for c in calls], pieces
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_streamed_tool_calls_reassemble_to_the_whole(text: str) -> None:
-    parser = HermesToolParser()
+@pytest.mark.parametrize(("parser", "text"), [(HermesToolParser(), t) for t in TEXTS] +
+                         [(Llama3JsonToolParser(), t) for t in LLAMA3_TEXTS])
+def test_streamed_tool_calls_reassemble_to_the_whole(parser: ToolParser, text: str) -> None:
     content, calls = parser.parse(text)
     whole = [(c.name, c.arguments) for c in calls]
     rng = random.Random(len(text))
@@ -340,6 +355,28 @@ def test_tool_call_arguments_are_the_models_text_streamed_as_written() -> None:
         [("f", '{"a": true,\n  "b": nul')]
     assert [(c.name, c.arguments) for c in parser.parse(TEXTS[6])[1]] == [("f", "12")]
     assert parser.parse(TEXTS[2]) == (TEXTS[2], [])
+
+
+def test_llama3_json_calls_are_the_models_json() -> None:
+    parser = Llama3JsonToolParser()
+    assert [(c.name, c.arguments) for c in parser.parse(LLAMA3_TEXTS[1])[1]] == \
+        [("f", '{"a": "}; {"}'), ("g", "{}")]
+    assert parser.parse(LLAMA3_TEXTS[1])[0] is None  # no content beside calls
+    assert parser.parse(LLAMA3_TEXTS[2]) == (LLAMA3_TEXTS[2], [])
+    assert parser.parse(LLAMA3_TEXTS[3]) == (LLAMA3_TEXTS[3], [])
+    assert [(c.name, c.arguments) for c in parser.parse(LLAMA3_TEXTS[4])[1]] == \
+        [("h", '{"b": [1, 2]}'), ("i", '{"s": "é')]
+    assert [c.name for c in Llama3JsonToolParser(parallel=False).parse(LLAMA3_TEXTS[1])[1]] \
+        == ["f"]
+    # Forced: the grammar's calls, and an earlier turn's calls written back as the model's
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}} for n in ("f", "g")]
+    written = parser.render_calls([{"function": {"name": "f", "arguments": '{"x": 1}'}},
+                                   {"function": {"name": "g", "arguments": {"x": 2}}}])
+    assert written == '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"x": 2}}'
+    assert [(c.name, c.arguments) for c in parser.parse(written)[1]] == \
+        [("f", '{"x": 1}'), ("g", '{"x": 2}')]
+    assert "start: call" in parser.grammar(tools, parallel=True)
 
 
 def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:

@@ -61,9 +61,9 @@ from conveyor.server.protocol import (
 )
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
 from conveyor.server.tools import (
-    HermesToolParser,
     ParsedToolCall,
     ToolCallStream,
+    ToolParser,
     get_tool_parser,
     messages_for_template,
     template_supports_tools,
@@ -189,7 +189,7 @@ class OutputPlan:
     """What a request's `tools`, `tool_choice` and the reasoning parser make of its output."""
 
     tools: list[dict[str, Any]] | None  # for the chat template (None: no tools)
-    parser: HermesToolParser | None  # parses tool calls out of the output (None: text only)
+    parser: ToolParser | None  # parses tool calls out of the output (None: text only)
     constraint: Constraint | None  # "required" or a named function: the calls' grammar
     # Calls of a named function end with finish_reason "stop", as OpenAI's and vLLM's do;
     # "auto" and "required" ones with "tool_calls".

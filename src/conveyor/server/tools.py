@@ -3,7 +3,8 @@ enforces `tool_choice` "required" or a named function, and the parsers that turn
 tool-call syntax back into OpenAI's `tool_calls`, whole or streamed.
 
 Parsers are chosen by `--tool-call-parser` with vLLM's names; "hermes" reads
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2/2.5/3, SmolLM3).
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2/2.5/3, SmolLM3);
+"llama3_json" reads `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from conveyor.structured.compiler import JSON_OPTIONS
 
 # Hermes's instructions, as Qwen2.5's chat template writes them: used for templates that
 # ignore `tools` (SmolLM2's, the default model's), so the model still sees its tools.
+_LLAMA3_SYSTEM = (  # Llama 3.1's own words, for templates that ignore `tools`
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\nRespond in the format "
+    '{{"name": function name, "parameters": dictionary of argument name and its value}}. '
+    "Do not use variables.\n\n{tools}")
 _HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -112,11 +118,15 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-class HermesToolParser:
-    """`<tool_call>{json}</tool_call>` blocks, any text before the first one is content."""
+class ToolParser:
+    """How one model family writes tool calls: parsed whole (``parse``) or growing
+    (``calls``, ``streamable_content``), forced by a grammar, described to a template that
+    ignores tools, and written back for an earlier turn."""
 
-    start, end = "<tool_call>", "</tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    arguments_key = "arguments"  # the key of a call's arguments, as the family writes it
+    call_separator = "\n"  # between calls (grammar, calls written back)
+    tools_separator = "\n"  # between the tools described in the system prompt
+    system_template = "{tools}"
 
     def __init__(self, parallel: bool = True, forced: bool = False) -> None:
         # False (the request's parallel_tool_calls): only the first call counts, as OpenAI
@@ -127,16 +137,96 @@ class HermesToolParser:
         self.forced = forced
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls) of a finished output: each block whose JSON names a function
-        is a call (one the output ended in too: its arguments are cut short, as OpenAI's
-        are on "length"); with no call at all the whole text is content."""
+        """(content, calls) of a finished output: each call whose JSON names a function
+        (one the output ended in too: its arguments are cut short, as OpenAI's are on
+        "length"); with no call at all the whole text is content."""
         calls = self.calls(text, finished=True)
-        content = text[:text.find(self.start)] if calls else None if self.forced else text
+        content = self.content_before_calls(text) if calls else None if self.forced else text
         return content or None, calls
 
     def calls(self, text: str, finished: bool) -> list[ParsedToolCall]:
-        """The calls in the text so far: closed blocks, then an open one at the end
-        (while the text grows, without a tail that could start its `</tool_call>`)."""
+        """The calls in the text so far (an open one at the end as far as it goes)."""
+        scanned = (scan_call(body) for body in self.call_bodies(text, finished))
+        calls = [ParsedToolCall(name, arguments) for name, arguments in scanned
+                 if name is not None]
+        return calls if self.parallel else calls[:1]
+
+    def call_bodies(self, text: str, finished: bool) -> list[str]:
+        raise NotImplementedError
+
+    def content_before_calls(self, text: str) -> str:
+        raise NotImplementedError
+
+    def streamable_content(self, text: str) -> str:
+        """The prefix of a growing text that is content whatever comes next."""
+        raise NotImplementedError
+
+    def calls_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The JSON Schema of one call of any of ``tools``, arguments valid against their
+        parameters."""
+        parameters, definitions = _hoisted_definitions(tools)
+        key = self.arguments_key
+        options = [{"type": "object",
+                    "properties": {"name": {"const": tool_function(t)["name"]}, key: arguments},
+                    "required": ["name", key], "additionalProperties": False}
+                   for t, arguments in zip(tools, parameters, strict=True)]
+        return {"anyOf": options, **definitions, "x-guidance": JSON_OPTIONS}
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
+                literal: Callable[[str], str] = json.dumps) -> str:
+        """A Lark grammar (llguidance's, `%json` embeds a schema) for one or more calls of
+        these tools, in this parser's syntax, with arguments valid against their schemas.
+        ``literal``: a tag as the grammar writes it (``compiler.lark_literal``: the token
+        where the vocabulary has one)."""
+        call = self.call_grammar(f"%json {json.dumps(self.calls_schema(tools))}", literal)
+        if not parallel:
+            return f"start: {call}"
+        return f"start: call ({json.dumps(self.call_separator)} call)*\ncall: {call}"
+
+    def call_grammar(self, json_rule: str, literal: Callable[[str], str]) -> str:
+        """One call in the grammar, around the rule of its JSON object."""
+        return json_rule
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """The tools described for a template that ignores `tools`."""
+        listed = self.tools_separator.join(
+            json.dumps({"type": "function", "function": tool_function(t)}, ensure_ascii=False)
+            for t in tools)
+        return self.system_template.format(tools=listed)
+
+    def call_json(self, call: dict[str, Any]) -> str:
+        """An earlier turn's call as the JSON object the model writes."""
+        function = call.get("function") or {}
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        return json.dumps({"name": function.get("name"), self.arguments_key: arguments},
+                          ensure_ascii=False)
+
+    def render_call(self, call: dict[str, Any]) -> str:
+        """An assistant turn's earlier tool call, as the model writes one."""
+        return self.call_json(call)
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return self.call_separator.join(self.render_call(c) for c in calls)
+
+
+class HermesToolParser(ToolParser):
+    """`<tool_call>{json}</tool_call>` blocks, any text before the first one is content."""
+
+    start, end = "<tool_call>", "</tool_call>"
+    system_template = _HERMES_SYSTEM
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def content_before_calls(self, text: str) -> str:
+        return text[:text.find(self.start)]
+
+    def call_bodies(self, text: str, finished: bool) -> list[str]:
+        """Closed blocks, then an open one at the end (while the text grows, without a tail
+        that could start its `</tool_call>`)."""
         bodies: list[str] = []
         pos = 0
         for match in self._block.finditer(text):
@@ -146,54 +236,64 @@ class HermesToolParser:
         if open_at != -1:
             body = text[open_at + len(self.start):]
             bodies.append(body if finished else body[:len(body) - _partial_tag(body, self.end)])
-        scanned = (scan_call(body) for body in bodies)
-        calls = [ParsedToolCall(name, arguments) for name, arguments in scanned
-                 if name is not None]
-        return calls if self.parallel else calls[:1]
+        return bodies
 
     def streamable_content(self, text: str) -> str:
-        """The prefix of a growing text that is content whatever comes next: up to the
-        first `<tool_call>`, holding back a tail that could be the start of one."""
+        """Up to the first `<tool_call>`, holding back a tail that could be the start of one."""
         first = text.find(self.start)
         if first != -1:
             return text[:first]
         return text[:len(text) - _partial_tag(text, self.start)]
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
-                literal: Callable[[str], str] = json.dumps) -> str:
-        """A Lark grammar (llguidance's, `%json` embeds a schema) for one or more calls of
-        these tools, in this parser's syntax, with arguments valid against their schemas.
-        ``literal``: a tag as the grammar writes it (``compiler.lark_literal``: the token
-        where the vocabulary has one)."""
-        parameters, definitions = _hoisted_definitions(tools)
-        options = [{"type": "object",
-                    "properties": {"name": {"const": tool_function(t)["name"]},
-                                   "arguments": arguments},
-                    "required": ["name", "arguments"], "additionalProperties": False}
-                   for t, arguments in zip(tools, parameters, strict=True)]
-        schema = {"anyOf": options, **definitions, "x-guidance": JSON_OPTIONS}
-        body = f'"\\n" %json {json.dumps(schema)} "\\n"'
-        call = f"{literal(self.start)} {body} {literal(self.end)}"
-        return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
-
-    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps({"type": "function", "function": tool_function(t)},
-                                      ensure_ascii=False) for t in tools)
-        return _HERMES_SYSTEM.format(tools=listed)
+    def call_grammar(self, json_rule: str, literal: Callable[[str], str]) -> str:
+        return f'{literal(self.start)} "\\n" {json_rule} "\\n" {literal(self.end)}'
 
     def render_call(self, call: dict[str, Any]) -> str:
-        """An assistant turn's earlier tool call, as the model writes one."""
-        function = call.get("function") or {}
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        body = json.dumps({"name": function.get("name"), "arguments": arguments},
-                          ensure_ascii=False)
-        return f"{self.start}\n{body}\n{self.end}"
+        return f"{self.start}\n{self.call_json(call)}\n{self.end}"
 
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1-3.3's JSON calls (vLLM's llama3_json): the output is the call,
+    `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` at times), several joined
+    by ";"; an output that does not begin with one is content (no content beside calls)."""
+
+    arguments_key = "parameters"
+    call_separator = "; "
+    tools_separator = "\n\n"
+    system_template = _LLAMA3_SYSTEM
+    tag = "<|python_tag|>"
+
+    def _calls_text(self, text: str) -> str | None:
+        """The text from the first call on; None when the output is not calls."""
+        rest = text.lstrip()
+        if rest.startswith(self.tag):
+            rest = rest[len(self.tag):].lstrip()
+        return rest if rest.startswith("{") else None
+
+    def content_before_calls(self, text: str) -> str:
+        return ""
+
+    def call_bodies(self, text: str, finished: bool) -> list[str]:
+        """Each JSON object in turn, ";" between them; the last one open while it grows."""
+        rest = self._calls_text(text)
+        bodies: list[str] = []
+        i = 0
+        while rest is not None and rest.startswith("{", i):
+            _, end = _read(rest, i)
+            if end is None:  # the last, still open (or broken)
+                bodies.append(rest[i:])
+                break
+            bodies.append(rest[i:end])
+            i = _skip_space(rest, end)
+            i = _skip_space(rest, i + 1) if rest.startswith(";", i) else len(rest)
+        return bodies
+
+    def streamable_content(self, text: str) -> str:
+        """Nothing while the output may still be calls (its beginning decides), else all."""
+        rest = text.lstrip()
+        undecided = not rest or self.tag.startswith(rest) or rest.startswith(self.tag) \
+            or rest.startswith("{")
+        return "" if undecided else text
 
 def _hoisted_definitions(tools: list[dict[str, Any]]
                          ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -218,11 +318,12 @@ def _hoisted_definitions(tools: list[dict[str, Any]]
 
 
 # --tool-call-parser's choices (ServerConfig checks the flag against these names).
-TOOL_PARSERS = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser,
+                                             "llama3_json": Llama3JsonToolParser}
 
 
 def get_tool_parser(name: str | None, parallel: bool = True,
-                    forced: bool = False) -> HermesToolParser:
+                    forced: bool = False) -> ToolParser:
     """The parser named by --tool-call-parser (hermes when none is set: the format that
     required / named tool_choice grammars produce); ``parallel``: parallel_tool_calls;
     ``forced``: a grammar forces the calls."""
@@ -235,7 +336,7 @@ def template_supports_tools(source: str | None) -> bool:
 
 
 def messages_for_template(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                          parser: HermesToolParser, native: bool) -> list[dict[str, Any]]:
+                          parser: ToolParser, native: bool) -> list[dict[str, Any]]:
     """Messages with tool calls and tool results for a template.
 
     A template that knows tools gets them as they are (arguments as objects, as Hugging
@@ -249,8 +350,7 @@ def messages_for_template(messages: list[dict[str, Any]], tools: list[dict[str, 
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            calls = "\n".join(parser.render_call(c) for c in m.pop("tool_calls"))
-            m["content"] = f"{m.get('content') or ''}{calls}"
+            m["content"] = f"{m.get('content') or ''}{parser.render_calls(m.pop('tool_calls'))}"
         elif m.get("role") == "tool":
             m = {"role": "user",
                  "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
@@ -300,7 +400,7 @@ class ToolCallStream:
     stream's content and each call's arguments equal ``parser.parse(final_text)``: what was
     streamed is always a prefix of that (``scan_call``)."""
 
-    parser: HermesToolParser
+    parser: ToolParser
     sent_content: int = 0
     sent_arguments: list[int] = field(default_factory=list)  # characters sent, per call
 
