@@ -499,10 +499,10 @@ def test_a_vllm_script_runs(tiny_llama_dir, caplog, kv_free) -> None:
         assert out.outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="must be integers"):
         llm.generate({"prompt_token_ids": [5, 1.5]}, params)
-    with pytest.raises(NotImplementedError, match="generative"):
-        llm.embed(["a"])
+    with pytest.raises(NotImplementedError, match="embed"):
+        llm.encode(["a"])
     with pytest.raises(ValueError, match="task"):
-        LLM(model=str(tiny_llama_dir), task="embed")
+        LLM(model=str(tiny_llama_dir), task="classify")
     kv_free(llm)
 
 

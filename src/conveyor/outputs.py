@@ -87,6 +87,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first), its logprob and
     # the top N, as vLLM gives them
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+    # SamplingParams.return_embedding: the prompt's embedding, once computed
+    embedding: list[float] | None = field(default=None, repr=False)
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later output of the same request with ``output_kind=DELTA`` (in place:
@@ -101,10 +103,33 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:  # (the first delta that has them)
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
 
     def copy(self) -> RequestOutput:
         """A copy whose outputs' lists are its own (to ``add`` deltas to)."""
         return dataclasses.replace(self, outputs=[copy_completion(c) for c in self.outputs])
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result for one prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 def copy_completion(c: CompletionOutput) -> CompletionOutput:

@@ -132,6 +132,9 @@ class SamplingParams:
     # RequestOutput.prompt_logprobs. Such a request computes its whole prompt (no prefix
     # cache hits), as in vLLM.
     prompt_logprobs: int | None = None
+    # The prompt's embedding in RequestOutput.embedding: the last prompt token's final hidden
+    # state, L2-normalized (an embedding model's last-token pooling; LLM.embed sets it)
+    return_embedding: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: token ids only, no text (vLLM's detokenize; stop strings need the text)

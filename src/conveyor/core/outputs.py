@@ -121,3 +121,6 @@ class ModelRunnerOutput:
     # sends them again)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = \
         field(default_factory=dict)
+    # request_id -> its prompt's embedding (SamplingParams.return_embedding), computed with
+    # its first sampled token
+    embeddings: dict[str, list[float]] = field(default_factory=dict)

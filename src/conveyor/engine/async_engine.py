@@ -184,6 +184,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.scheduler_config.max_model_len
 
+    @property
+    def hidden_size(self) -> int:
+        """The size of the model's hidden states (an embedding's)."""
+        return self.engine.model_config.hidden_size
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Safe from any thread: reads only the tokenizer and the model config."""
         return self.engine.tokenize_prompt(prompt)

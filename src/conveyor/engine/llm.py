@@ -10,7 +10,7 @@ from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.stats import EngineStats
 from conveyor.ops.openmp import release_openmp_threads
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ class LLM:
             logger.warning("vLLM's argument(s) %s mean nothing to conveyor: ignored (the KV "
                            "cache is sized by kv_cache_memory)", ignored)
         engine_args = {k: v for k, v in engine_args.items() if k not in VLLM_IGNORED_ARGS}
-        if engine_args.pop("task", "generate") not in ("generate", "auto"):
-            raise ValueError("task: conveyor serves generative models only ('generate')")
+        if engine_args.pop("task", "generate") not in ("generate", "auto", "embed"):
+            raise ValueError("task: conveyor generates ('generate') and pools embeddings "
+                             "('embed', LLM.embed) only")
         known = set(EngineArgs.field_names())
         unknown = sorted(set(engine_args) - known)
         if unknown:
@@ -123,10 +124,23 @@ class LLM:
                 continue_final_message, **kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("encode / embed: conveyor serves generative models only")
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
+              pooling_params: None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): the final hidden state of the
+        prompt's last token, L2-normalized (last-token pooling, as Qwen3-Embedding's and
+        e5-mistral's; a chat model's are not made for retrieval). Give the prompt as the
+        model's card says (an instruction; the tokenizer adds its EOS where it does)."""
+        if pooling_params is not None:
+            raise ValueError("pooling_params: only the default pooling (last token, "
+                             "normalized) is supported")
+        params = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
+                                detokenize=False)
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
+                                       o.prompt_token_ids) for o in outputs]
 
-    embed = encode
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("encode: conveyor pools embeddings only (LLM.embed)")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""

@@ -464,6 +464,11 @@ class LLMEngine:
             if entry is not None and self.scheduler.live_request(scheduler_output, request_id):
                 self._name_tokens(entries)
                 entry[0].add_prompt_logprobs(position, entries)
+        for request_id, vector in runner_output.embeddings.items():
+            entry = self._sequences.get(request_id)
+            if entry is not None and entry[0].embedding is None and \
+                    self.scheduler.live_request(scheduler_output, request_id):
+                entry[0].embedding = vector
         failed = self._fail_sequences(scheduler_output, runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
         outputs = self._emit(updated, runner_output, failed)  # (ends those a stop string ends)

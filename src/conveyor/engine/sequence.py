@@ -127,6 +127,7 @@ class RequestGroup:
     # prefill chunks; whether an output (DELTA) has carried them
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    embedding: list[float] | None = None  # params.return_embedding, from sample 1
 
     def add_prompt_logprobs(self, position: int, entries: list[dict[int, Logprob]]) -> None:
         """Logprobs of prompt tokens ``position``, ``position + 1``, ...: those not held yet
@@ -166,4 +167,5 @@ class RequestGroup:
                                       for s in self.sequences],
                              finished=self.finished, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=self._prompt_logprobs_out())
+                             prompt_logprobs=self._prompt_logprobs_out(),
+                             embedding=self.embedding)

@@ -268,6 +268,7 @@ class ModelRunner:
             return PendingStep.done(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         if keep is None and len(rows) < hidden.shape[0]:  # else every token samples: all rows
             hidden = hidden[self._upload(rows)]
+        embeddings = self._embeddings(samplers, hidden)
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
             return PendingStep.done(ModelRunnerOutput({}))
@@ -282,12 +283,15 @@ class ModelRunner:
             views = [st.with_pending(self._pending_token(s.request_id))
                      if s.request_id in self._pending else st
                      for s, st in zip(samplers, states, strict=True)]
-            return self._pending_step(samplers, states, self.sampler.sample(logits, views),
+            step = self._pending_step(samplers, states, self.sampler.sample(logits, views),
                                       prompt_logprobs)
+            step.embeddings = embeddings
+            return step
         # Drafts to verify: the sampler decides row by row on the host
         sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = self._record(samplers, states, sampled)
         result.draft_seconds, result.prompt_logprobs = draft_seconds, prompt_logprobs
+        result.embeddings = embeddings
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
             self.drafter.record(samplers, result)
         return PendingStep.done(result)
@@ -314,6 +318,22 @@ class ModelRunner:
         for i, s in enumerate(samplers):
             self._pending[s.request_id] = (step, i)
         return step
+
+    def _embeddings(self, samplers: list[ScheduledRequest], hidden: torch.Tensor
+                    ) -> dict[str, list[float]]:
+        """The prompt embeddings of the requests that asked (return_embedding) and sample
+        their first token now: the final hidden state of the prompt's last token (each
+        sampler's first row of ``hidden``), L2-normalized, in float32."""
+        wanted = [(i, s.request_id) for i, s in enumerate(samplers)
+                  if (state := self.states[s.request_id]).params.return_embedding
+                  and not state.output_token_ids]
+        if not wanted:
+            return {}
+        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
+        vectors = torch.nn.functional.normalize(
+            hidden[self._upload([int(first[i]) for i, _ in wanted])].float(), dim=-1).cpu()
+        return {request_id: vector.tolist()
+                for (_, request_id), vector in zip(wanted, vectors, strict=True)}
 
     def _wants_prompt_logprobs(self, batch: list[ScheduledRequest]) -> bool:
         """Whether a request of the batch asked for its prompt's logprobs."""
@@ -571,6 +591,7 @@ class PendingStep:
         self.sampled = sampled
         self._output = output
         self.prompt_logprobs: dict[str, tuple[int, list[dict[int, Any]]]] = {}
+        self.embeddings: dict[str, list[float]] = {}
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> PendingStep:
@@ -588,4 +609,5 @@ class PendingStep:
             assert self._runner is not None
             self._output = self._runner._finish(self)
             self._output.prompt_logprobs = self.prompt_logprobs
+            self._output.embeddings = self.embeddings
         return self._output

@@ -25,6 +25,7 @@ from conveyor.server.chat import create_chat_completion, render_prompt, template
 from conveyor.server.common import ServerState, check_model
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
+from conveyor.server.embeddings import create_embeddings
 from conveyor.server.errors import (
     BODY_PARAM,
     REQUEST_ID_HEADER,
@@ -48,6 +49,8 @@ from conveyor.server.protocol import (
     CountTokensResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     MessagesRequest,
     MessagesResponse,
@@ -273,6 +276,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Any:
+        return await create_embeddings(state, req, raw)
 
     @app.post("/v1/responses", response_model=ResponseObject)
     async def responses(req: ResponsesRequest, raw: Request) -> Any:

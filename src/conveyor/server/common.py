@@ -27,7 +27,12 @@ from conveyor.sampling_params import (
 from conveyor.server.config import ServerConfig
 from conveyor.server.errors import APIError, bad_request, error_body, to_api_error
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+from conveyor.server.protocol import (
+    EmbeddingRequest,
+    PromptTokensDetails,
+    Usage,
+    _SamplingFields,
+)
 
 T = TypeVar("T")
 
@@ -155,7 +160,8 @@ def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | N
 
 
 async def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                 request_id: str, req: _SamplingFields) -> list[RequestStream]:
+                 request_id: str, req: _SamplingFields | EmbeddingRequest
+                 ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none (a failure aborts the ones added).
 
     The engine's ids are ``request_id`` (the response's id, from the client's X-Request-Id

@@ -224,6 +224,35 @@ class ChatCompletionRequest(_SamplingFields):
                                              "best_of": 1, "add_special_tokens": False}
 
 
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings (OpenAI's): one input or many, text or token ids."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None  # the first N components, normalized again
+    user: str | None = None
+    priority: Int64 = 0  # (vLLM's)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32s
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TokenizeRequest(_Request):
     """POST /tokenize: a prompt, or chat messages rendered through the template (with the
     tools and template kwargs a chat request would send: the same count)."""

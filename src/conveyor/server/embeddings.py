@@ -1,0 +1,96 @@
+"""POST /v1/embeddings: each input's embedding (the last token's final hidden state,
+L2-normalized: ``SamplingParams.return_embedding``), as OpenAI's API answers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+
+from fastapi import Request
+
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.common import (
+    MAX_PROMPTS_PER_REQUEST,
+    ServerState,
+    bad_request,
+    check_context,
+    check_model,
+    collect,
+    submit,
+    unless_disconnected,
+)
+from conveyor.server.errors import request_id_of
+from conveyor.server.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+
+# One token is generated (and dropped): the embedding comes with the first sample.
+_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
+                         detokenize=False)
+
+
+async def create_embeddings(state: ServerState, req: EmbeddingRequest,
+                            raw: Request) -> EmbeddingResponse:
+    check_model(state, req.model)
+    inputs = _inputs(req.input)
+    if req.dimensions is not None and not 1 <= req.dimensions <= state.engine.hidden_size:
+        raise bad_request(f"dimensions must be in [1, {state.engine.hidden_size}] (this "
+                          f"model's embedding size), got {req.dimensions}", "dimensions")
+    engine = state.engine
+    try:
+        for item in inputs:  # all of them before tokenizing any
+            if isinstance(item, str):
+                engine.check_prompt_chars(item, "input")
+            else:
+                engine.check_token_ids(item, "input")
+    except ValueError as e:
+        raise bad_request(str(e), "input") from None
+    encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in inputs])
+    prompts = [ids for _, ids in encoded]
+    for ids in prompts:
+        check_context(state, len(ids), 1, "input")
+    streams = await submit(state, prompts, _PARAMS, f"embd-{request_id_of(raw)}", req)
+    finals = await unless_disconnected(
+        raw, asyncio.gather(*(collect(s) for s in streams)), streams)
+    data = [EmbeddingData(index=i, embedding=_encoded(final.embedding or [], req))
+            for i, final in enumerate(finals)]
+    tokens = sum(len(ids) for ids in prompts)
+    return EmbeddingResponse(data=data, model=state.model_name,
+                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The inputs one by one (400 when empty, as OpenAI's)."""
+    items: list[str | list[int]]
+    if isinstance(value, str):
+        items = [value]
+    elif value and isinstance(value[0], int):
+        items = [list(value)]  # type: ignore[arg-type]
+    else:
+        items = list(value)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("input must not be empty", "input")
+    if len(items) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"input may hold at most {MAX_PROMPTS_PER_REQUEST} inputs, got "
+                          f"{len(items)}", "input")
+    for i, item in enumerate(items):
+        if len(item) == 0:
+            raise bad_request(f"input[{i}] must not be empty", "input")
+    return items
+
+
+def _encoded(vector: list[float], req: EmbeddingRequest) -> list[float] | str:
+    """The vector as asked: its first ``dimensions`` components normalized again (a
+    Matryoshka-trained model's smaller embedding), as floats or base64."""
+    if req.dimensions is not None:
+        vector = vector[:req.dimensions]
+        norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+        vector = [x / norm for x in vector]
+    if req.encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
