@@ -25,9 +25,8 @@ import openai
 import pytest
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
-from conveyor.sampling_params import ReasoningSection
+from conveyor.sampling_params import ANY_ANSWER, ReasoningSection
 from conveyor.server.reasoning import (
-    ANY_ANSWER,
     THINK,
     ReasoningStream,
     for_prompt,
@@ -186,6 +185,32 @@ def test_a_budget_bounds_the_thinking_offline(thinking_model, kv_free) -> None:
                 for out in llm.generate(["user: one two\nassistant: <think>\n"] * 4, params)]
         assert all(i <= budget for i in ends), (budget, ends)
         assert budget in ends  # (a random model rarely closes it sooner: the budget did)
+    kv_free(llm)
+
+
+def test_a_budget_leaves_the_answer_free(thinking_model, kv_free) -> None:
+    """Past the thinking a budget enforces nothing: an EOS in the answer under ignore_eos
+    is followed by more answer (a grammar that ended would allow only EOS); a model that
+    opens the section itself thinks within the budget too; min_tokens is taken."""
+    llm = LLM(model=str(thinking_model), dtype="float32", kv_cache_memory=1 << 20,
+              max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    eos = tokenizer.eos_token_ids[0]
+    opened = StructuredOutputsParams(grammar=ANY_ANSWER,
+                                     after_reasoning=dataclasses.replace(OPEN, budget=2))
+    params = SamplingParams(max_tokens=30, seed=7, temperature=1.0, ignore_eos=True,
+                            logit_bias={eos: 4.0}, structured_outputs=opened, min_tokens=3)
+    tokens = llm.generate("user: one two\nassistant: <think>\n", params)[0].outputs[0].token_ids
+    answer = tokens[tokens.index(end) + 1:]
+    assert eos in answer and set(answer[answer.index(eos):]) != {eos}, tokens
+    closed = StructuredOutputsParams(grammar=ANY_ANSWER, after_reasoning=ReasoningSection(
+        "<think>", "</think>", budget=3))
+    for seed in range(4):  # the model opens it (a bias makes it), then thinks 3 tokens
+        params = SamplingParams(max_tokens=12, seed=seed, temperature=1.0,
+                                logit_bias={start: 30.0}, structured_outputs=closed)
+        tokens = llm.generate("user: one two\nassistant: ", params)[0].outputs[0].token_ids
+        assert tokens[0] == start and tokens.index(end) <= 4, tokens
     kv_free(llm)
 
 
@@ -364,6 +389,15 @@ def test_a_thinking_budget_over_http(thinking_server, server) -> None:
                                thinking={"type": "enabled", "budget_tokens": 1})
     assert budgeted.content[0].type == "thinking"
     assert budgeted.usage.output_tokens == 12  # (the random model rarely stops sooner)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        messages.create(model="any", max_tokens=5, messages=ASK,
+                        thinking={"type": "enabled", "budget_tokens": -1})
+    assert "budget" in str(bad.value)
+    # Any budget past the context is none (llguidance's counts stop at 2**31)
+    huge = client.chat.completions.create(model=thinking_server.model, messages=ASK,
+                                          max_tokens=3, extra_body={
+                                              "thinking_token_budget": 2**40})
+    assert huge.choices[0].finish_reason == "length"
     off = messages.create(model="any", max_tokens=5, messages=ASK,
                           thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["text"]  # the prompt closed the thinking

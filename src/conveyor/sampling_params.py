@@ -33,6 +33,10 @@ def _is_token_id(value: object) -> bool:
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+# The answer of a request whose only constraint is a thinking budget: any tokens.
+ANY_ANSWER = "start: <[*]>*"
+
+
 @dataclass(frozen=True)
 class ReasoningSection:
     """Where a reasoning model thinks before it answers: between ``start`` and ``end`` (as
@@ -87,6 +91,13 @@ class StructuredOutputsParams:
                    and all(isinstance(c, str) and c for c in self.choice),
                    "structured_outputs.choice must be a non-empty list of non-empty strings, "
                    f"got {self.choice!r:.80}")
+
+    @property
+    def bounds_thinking_only(self) -> bool:
+        """A thinking budget and nothing else (``ANY_ANSWER`` after the section): once the
+        output reaches the answer, nothing is left to enforce."""
+        return self.grammar == ANY_ANSWER and self.after_reasoning is not None \
+            and self.after_reasoning.budget is not None
 
     @property
     def kind(self) -> str:
@@ -224,8 +235,10 @@ class SamplingParams:
                f"{type(self.structured_outputs).__name__}")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        # A grammar that has ended allows nothing but EOS, which min_tokens bans: refused.
-        _check(self.structured_outputs is None or self.min_tokens == 0,
+        # A grammar that has ended allows nothing but EOS, which min_tokens bans: refused
+        # (a thinking budget's never ends: the answer after the thinking is free).
+        _check(self.structured_outputs is None or self.min_tokens == 0
+               or self.structured_outputs.bounds_thinking_only,
                "min_tokens must be 0 with structured_outputs (a response_format, tool_choice "
                "or other constraint): the grammar decides where the output ends, got "
                f"{self.min_tokens}")

@@ -44,6 +44,7 @@ from conveyor.runner.sampler import (
     make_generator,
     token_logprobs,
 )
+from conveyor.sampling_params import SamplingParams
 from conveyor.structured.bitmask import BitmaskFiller, apply_token_bitmask
 
 if TYPE_CHECKING:
@@ -417,7 +418,9 @@ class ModelRunner:
                 # token consumed past the end would fail it: a step past EOS, which async
                 # scheduling runs, must not)
                 matcher.consume_tokens(tokens)
-                if self.forced_drafts and (forced := matcher.compute_ff_tokens()):
+                if _answer_is_free(state.params, matcher):
+                    del self.matchers[s.request_id]
+                elif self.forced_drafts and (forced := matcher.compute_ff_tokens()):
                     result.forced_token_ids[s.request_id] = forced
         return result
 
@@ -445,8 +448,10 @@ class ModelRunner:
                 if self.grammars is None:
                     raise ValueError("structured_outputs needs a model with a tokenizer")
                 matcher = self.grammars.compile(p.structured_outputs, count=False)  # cached
-                matcher.consume_tokens(list(new.all_token_ids[new.num_prompt_tokens:]))
-                self.matchers[new.request_id] = matcher
+                output = list(new.all_token_ids[new.num_prompt_tokens:])
+                matcher.consume_tokens(output)
+                if not (output and _answer_is_free(p, matcher)):
+                    self.matchers[new.request_id] = matcher
 
     def _start_bitmasks(self, samplers: list[ScheduledRequest]
                         ) -> tuple[list[int], Future[torch.Tensor]] | None:
@@ -577,6 +582,14 @@ class ModelRunner:
     def _upload(self, host: np.ndarray | list[int]) -> torch.Tensor:
         """Host integers as an int64 tensor on the device (``transfer.upload``)."""
         return upload(host, self.device, torch.int64)
+
+
+def _answer_is_free(params: SamplingParams, matcher: LLMatcher) -> bool:
+    """A thinking budget's grammar that has reached the answer (after an output token: it
+    accepts): the rest is free, so the matcher goes (it would stop at the answer's EOS and
+    then allow only EOS, under ignore_eos too)."""
+    spec = params.structured_outputs
+    return spec is not None and spec.bounds_thinking_only and matcher.is_accepting()
 
 
 class PendingStep:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, joined
 from conveyor.sampling_params import (
+    ANY_ANSWER,
     MAX_LOGPROBS,
     ReasoningSection,
     SamplingParams,
@@ -321,7 +322,7 @@ def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: Output
         return plan, constraint
     section = dataclasses.replace(section, budget=budget)
     if budget is not None and constraint is None:
-        constraint = Constraint(StructuredOutputsParams(grammar=reasoning.ANY_ANSWER),
+        constraint = Constraint(StructuredOutputsParams(grammar=ANY_ANSWER),
                                 "thinking_token_budget", "thinking_token_budget")
     elif budget is not None and state.config.structured_outputs_in_reasoning:
         raise bad_request("thinking_token_budget cannot bound the thinking of a constrained "
@@ -345,16 +346,18 @@ def _thinking_budget(state: ServerState, req: ChatCompletionRequest) -> int | No
                           "thinking_token_budget")
     if not can_budget_thinking(state):
         raise bad_request("thinking_token_budget needs a reasoning model whose vocabulary has "
-                          "the thinking's end tag as a token, and --reasoning-parser",
+                          "the thinking's tags as tokens, and --reasoning-parser",
                           "thinking_token_budget")
-    return budget
+    return min(budget, state.engine.max_model_len)  # (more is no bound: the context is)
 
 
 def can_budget_thinking(state: ServerState) -> bool:
-    """The server reads thinking (a reasoning parser) and can bound it: its end tag is a
-    token (the grammar allows only it once the budget is spent)."""
-    return state.reasoning is not None and \
-        state.engine.tokenizer.token_to_id(state.reasoning.end) is not None
+    """The server reads thinking (a reasoning parser) and can bound it: its tags are tokens
+    (the grammar allows only the end tag once the budget is spent)."""
+    section = state.reasoning
+    return section is not None and all(
+        state.engine.tokenizer.token_to_id(tag) is not None
+        for tag in (section.start, section.end))
 
 
 def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:

@@ -129,7 +129,7 @@ def _thinking(state: ServerState, req: MessagesRequest) -> dict[str, Any]:
             if isinstance(kwargs, dict) else {}  # (not a dict: the chat request's 400)
     budget = thinking.get("budget_tokens")
     if thinking.get("type") == "enabled" and isinstance(budget, int) and \
-            can_budget_thinking(state):
+            not isinstance(budget, bool) and can_budget_thinking(state):
         return {"thinking_token_budget": budget}
     return {}
 

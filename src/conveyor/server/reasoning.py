@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 # template writes them (as llama.cpp's server does by default); "none": the text as is.
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 THINK = ReasoningSection("<think>", "</think>")
-# The answer of a request whose only constraint is its thinking_token_budget: any tokens.
-ANY_ANSWER = "start: <[*]>*"
 
 
 def reasoning_section(name: str, tokenizer: Tokenizer | None) -> ReasoningSection | None:

@@ -107,15 +107,15 @@ def lark_literal(tokenizer: Tokenizer, text: str) -> str:
     return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
 
-def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenizer) -> str:
+def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenizer,
+                    free_answer: bool = False) -> str:
     """``grammar`` (a Lark grammar or llguidance's JSON) after free thinking in ``section``:
     the thinking runs to the end tag (no EOS before it; after ``section.budget`` tokens,
-    only the end tag), up to 4 whitespace characters may
-    follow (a model offered more can emit newlines forever), then ``grammar``'s output.
-    When the prompt did not open the section, the output may skip it."""
-    grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
-        else [{"lark_grammar": grammar}]
-    grammars[0] = {**grammars[0], "name": "answer"}
+    only the end tag), up to 4 whitespace characters may follow (a model offered more can
+    emit newlines forever), then ``grammar``'s output. When the prompt did not open the
+    section, the output may skip it. ``free_answer`` (a thinking budget alone): any answer,
+    ``grammar`` unused; one that cannot begin with the start tag, so that the matcher
+    accepts only once the output is past the thinking (``bounds_thinking_only``)."""
     tag = functools.partial(lark_literal, tokenizer)
     end = tokenizer.token_to_id(section.end)
     if end is not None:  # any token but the end tag and EOS (added ones too: <tool_call>)
@@ -127,9 +127,16 @@ def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenize
         raise GrammarError("thinking_token_budget", f"{section.end} is not a token here")
     else:  # the shortest text up to the end tag
         thinking = "think[lazy]: /(.|\\n)*" + re.escape(section.end).replace("/", "\\/") + "/"
-    start = "start: think gap? @answer" if section.opened else \
-        f"start: ({tag(section.start)} think gap?)? @answer"
+    start = "start: think gap? answer" if section.opened else \
+        f"start: ({tag(section.start)} think gap?)? answer"
     lark = f"{start}\n{thinking}\ngap: /[ \\t\\r\\n]{{1,4}}/\n"
+    start_id = tokenizer.token_to_id(section.start)
+    if free_answer and start_id is not None:
+        return lark + f"answer: (<[^{start_id}]> <[*]>*)?\n"
+    grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
+        else [{"lark_grammar": grammar}]
+    grammars[0] = {**grammars[0], "name": "answer_grammar"}
+    lark += "answer: @answer_grammar\n"
     return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
 
 
@@ -206,7 +213,8 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
             if spec.after_reasoning is not None:
-                text = after_reasoning(text, spec.after_reasoning, self.tokenizer)
+                text = after_reasoning(text, spec.after_reasoning, self.tokenizer,
+                                       free_answer=spec.bounds_thinking_only)
             matcher = llguidance.LLMatcher(self.ll_tokenizer, text)
             if matcher.is_error():
                 raise GrammarError(spec.kind, matcher.get_error())
