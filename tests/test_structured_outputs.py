@@ -20,6 +20,7 @@ from conveyor.bench.datasets import sample_json_schema_requests
 from conveyor.server.tools import (
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     ToolCallStream,
     ToolParser,
 )
@@ -300,6 +301,14 @@ LLAMA3_TEXTS = [
     '<|python_tag|>{"name": "f", "parameters": {"a": true,\n  "b": nul',  # cut by max_tokens
     "<|python_ta",  # cut inside the tag: content (it is not a call)
 ]
+# Mistral's: the array after [TOOL_CALLS] (v3, v7), or name[ARGS]{...} per call (v11 on)
+MISTRAL_TEXTS = [
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+    'Let me look. [TOOL_CALLS][{"name": "f", "arguments": {"s": "[TOOL_CALL"}}]',
+    '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{"s": "é"}',
+    "no call, [TOOL but not the tag",
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',  # cut by max_tokens
+]
 
 
 def _reassemble(parser: ToolParser, text: str, ends: list[int]
@@ -324,7 +333,8 @@ def _reassemble(parser: ToolParser, text: str, ends: list[int]
 
 
 @pytest.mark.parametrize(("parser", "text"), [(HermesToolParser(), t) for t in TEXTS] +
-                         [(Llama3JsonToolParser(), t) for t in LLAMA3_TEXTS])
+                         [(Llama3JsonToolParser(), t) for t in LLAMA3_TEXTS] +
+                         [(MistralToolParser(), t) for t in MISTRAL_TEXTS])
 def test_streamed_tool_calls_reassemble_to_the_whole(parser: ToolParser, text: str) -> None:
     content, calls = parser.parse(text)
     whole = [(c.name, c.arguments) for c in calls]
@@ -377,6 +387,22 @@ def test_llama3_json_calls_are_the_models_json() -> None:
     assert [(c.name, c.arguments) for c in parser.parse(written)[1]] == \
         [("f", '{"x": 1}'), ("g", '{"x": 2}')]
     assert "start: call" in parser.grammar(tools, parallel=True)
+
+
+def test_mistral_calls_in_both_forms() -> None:
+    parser = MistralToolParser()
+    content, calls = parser.parse(MISTRAL_TEXTS[1])
+    assert content == "Let me look. " and [(c.name, c.arguments) for c in calls] == \
+        [("f", '{"s": "[TOOL_CALL"}')]
+    assert [(c.name, c.arguments) for c in parser.parse(MISTRAL_TEXTS[2])[1]] == \
+        [("f", '{"a": [1, 2]}'), ("g", '{"s": "é"}')]
+    assert [(c.name, c.arguments) for c in parser.parse(MISTRAL_TEXTS[4])[1]] == \
+        [("get_weather", '{"city": "Par')]
+    assert parser.parse(MISTRAL_TEXTS[3]) == (MISTRAL_TEXTS[3], [])
+    # Mistral's templates refuse other ids: 9 letters and digits
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in parser.parse(MISTRAL_TEXTS[0])[1])
+    written = parser.render_calls([{"function": {"name": "f", "arguments": '{"a": 1}'}}])
+    assert [(c.name, c.arguments) for c in parser.parse(written)[1]] == [("f", '{"a": 1}')]
 
 
 def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:

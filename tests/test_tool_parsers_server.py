@@ -1,17 +1,19 @@
-"""`--tool-call-parser llama3_json` (Llama 3.1-3.3's JSON calls) through a real `conveyor
-serve` on the default model: forced calls in Llama's syntax, whole and streamed alike; an
-"auto" answer whose text is a call (forced into that shape by a regex) read as one; an
-earlier turn's calls and results sent back."""
+"""`--tool-call-parser llama3_json` (Llama 3.1-3.3's JSON calls) and `mistral` through a real
+`conveyor serve` on the default model: forced calls in each syntax, whole and streamed
+alike; an "auto" answer whose text is a call (forced into that shape by a regex) read as
+one; an earlier turn's calls and results sent back. And Mistral's tags as the special tokens
+they are, on tiny random models."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import jsonschema
 import pytest
 
-from server_fixtures import ServerProcess, openai_client, serving, wait_idle
+from server_fixtures import ServerProcess, openai_client, serving, start_server, wait_idle
 from test_structured_server import ASK_WEATHER, TIME, WEATHER, _chat, _streamed
 
 
@@ -69,3 +71,76 @@ def test_llama3_round_trip(server: ServerProcess):
                                             tools=[WEATHER], temperature=0, max_tokens=8)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
     wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def mistral_server() -> Iterator[ServerProcess]:
+    yield from serving("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                       "--tool-call-parser", "mistral")
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_mistral_calls_whole_and_streamed_agree(mistral_server: ServerProcess,
+                                                tool_choice: object):
+    body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 64,
+            "parallel_tool_calls": False}
+    choice = _chat(mistral_server, **body).json()["choices"][0]
+    content, calls, finish = _streamed(mistral_server, **body)
+    whole = choice["message"]
+    assert content == whole["content"] is None and finish == choice["finish_reason"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in whole["tool_calls"]]
+    for call in whole["tool_calls"]:  # Mistral's templates take no other ids
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+        tools = {"get_weather": WEATHER, "get_time": TIME}
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            tools[call["function"]["name"]]["function"]["parameters"])
+    wait_idle(mistral_server)
+
+
+def _mistral_model(tmp_path_factory, tiny_tokenizer, v11: bool) -> Path:
+    """A tiny random model whose vocabulary has Mistral's tags as special tokens."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from conftest import build_tiny_model
+
+    source, _ = tiny_tokenizer
+    folder = tmp_path_factory.mktemp("mistral-tokenizer")
+    tok = HFTokenizer.from_file(str(source / "tokenizer.json"))
+    tags = ["[TOOL_CALLS]", "[ARGS]"] if v11 else ["[TOOL_CALLS]"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tags])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant: "
+                               "{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), folder,
+                            tok.get_vocab_size(), "llama")
+
+
+@pytest.mark.parametrize("v11", [False, True])
+def test_mistral_tags_as_special_tokens(tmp_path_factory, tiny_tokenizer, v11: bool):
+    """[TOOL_CALLS] is a special token, which a text drops by default: with the mistral
+    parser the request keeps it, and the call is read (in the form the vocabulary says)."""
+    folder = _mistral_model(tmp_path_factory, tiny_tokenizer, v11)
+    server = start_server("--model", str(folder), "--dtype", "float32", "--max-model-len",
+                          "1024", "--kv-cache-memory", "4MiB", "--tool-call-parser", "mistral")
+    try:
+        body = {"tools": [TIME], "tool_choice": "required", "max_tokens": 60,
+                "parallel_tool_calls": False,
+                "temperature": 1.0, "seed": 3}
+        answer = _chat(server, **body).json()
+        assert "choices" in answer, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None and choice["message"]["tool_calls"]
+        assert _streamed(server, **body)[1] == [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in choice["message"]["tool_calls"]]
+        wait_idle(server)
+    finally:
+        assert server.stop() == 0, server.log_tail()
+        server.remove_log()

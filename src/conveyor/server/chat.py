@@ -290,6 +290,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
             raise
         raise bad_request(max_tokens_param + str(e).removeprefix("max_tokens"),
                           max_tokens_param) from None
+    if plan.parser is not None and plan.parser.keeps_special_tokens:  # its tags are some
+        params = params.replace(skip_special_tokens=False)
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)

@@ -35,9 +35,9 @@ _HELP = {
     "web_ui": "serve the web page at / (chat, live engine view) and /v1/engine/events, "
               "/v1/engine/load (--no-web-ui: none of it)",
     "tool_call_parser": "how tool calls are read out of the model's text: hermes "
-                        "(<tool_call>{...}</tool_call>: Qwen, Hermes) or llama3_json "
-                        "({\"name\": ..., \"parameters\": ...}: Llama 3.1-3.3); needed "
-                        "for tool_choice auto",
+                        "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json "
+                        "({\"name\": ..., \"parameters\": ...}: Llama 3.1-3.3) or "
+                        "mistral ([TOOL_CALLS]...); needed for tool_choice auto",
     "reasoning_parser": "how a reasoning model's thinking is returned apart from its answer "
                         "(message.reasoning): auto (<think>...</think> where the model has "
                         "them), none (left in the text), deepseek_r1 or qwen3",

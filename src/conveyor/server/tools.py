@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,10 @@ _LLAMA3_SYSTEM = (  # Llama 3.1's own words, for templates that ignore `tools`
     "proper arguments that best answers the given prompt.\n\nRespond in the format "
     '{{"name": function name, "parameters": dictionary of argument name and its value}}. '
     "Do not use variables.\n\n{tools}")
+_MISTRAL_SYSTEM = (  # for templates that ignore `tools` (Mistral's own render them)
+    "You may call these functions:\n{tools}\n\nTo call them, answer with [TOOL_CALLS] and "
+    'a JSON list of calls: [TOOL_CALLS][{{"name": <function-name>, "arguments": '
+    "<args-json-object>}}]")
 _HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -124,6 +130,8 @@ class ToolParser:
     ignores tools, and written back for an earlier turn."""
 
     arguments_key = "arguments"  # the key of a call's arguments, as the family writes it
+    # Its tags are special tokens, which a request's text keeps only when asked
+    keeps_special_tokens = False
     call_separator = "\n"  # between calls (grammar, calls written back)
     tools_separator = "\n"  # between the tools described in the system prompt
     system_template = "{tools}"
@@ -276,17 +284,7 @@ class Llama3JsonToolParser(ToolParser):
     def call_bodies(self, text: str, finished: bool) -> list[str]:
         """Each JSON object in turn, ";" between them; the last one open while it grows."""
         rest = self._calls_text(text)
-        bodies: list[str] = []
-        i = 0
-        while rest is not None and rest.startswith("{", i):
-            _, end = _read(rest, i)
-            if end is None:  # the last, still open (or broken)
-                bodies.append(rest[i:])
-                break
-            bodies.append(rest[i:end])
-            i = _skip_space(rest, end)
-            i = _skip_space(rest, i + 1) if rest.startswith(";", i) else len(rest)
-        return bodies
+        return [] if rest is None else _json_objects(rest, 0, ";")
 
     def streamable_content(self, text: str) -> str:
         """Nothing while the output may still be calls (its beginning decides), else all."""
@@ -317,9 +315,99 @@ def _hoisted_definitions(tools: list[dict[str, Any]]
     return parameters, gathered
 
 
+class MistralToolParser(ToolParser):
+    """Mistral's calls, after its `[TOOL_CALLS]` token (vLLM's mistral): a JSON array of
+    `{"name", "arguments"}` objects (Mistral 7B v0.3, Nemo, Small 2409-2501, Large 2407-2411),
+    or `name[ARGS]{...}` after each call's own `[TOOL_CALLS]` (v11 on: Small 3.1+, Magistral,
+    Devstral); text before the first is content. The tags are special tokens: requests keep
+    special tokens in their text (``keeps_special_tokens``). Call ids are 9 letters and
+    digits, as Mistral's chat templates insist."""
+
+    start, args_tag = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True
+    system_template = _MISTRAL_SYSTEM
+
+    @staticmethod
+    def new_id() -> str:
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def content_before_calls(self, text: str) -> str:
+        return text[:text.find(self.start)]
+
+    def streamable_content(self, text: str) -> str:
+        first = text.find(self.start)
+        if first != -1:
+            return text[:first]
+        return text[:len(text) - _partial_tag(text, self.start)]
+
+    def calls(self, text: str, finished: bool) -> list[ParsedToolCall]:
+        first = text.find(self.start)
+        if first == -1:
+            return []
+        found: list[tuple[str | None, str]] = []
+        for part in text[first + len(self.start):].split(self.start):
+            rest = part.lstrip()
+            if rest.startswith("["):  # [{...}, {...}]
+                found += [scan_call(body) for body in _json_objects(rest, 1, ",")]
+            elif self.args_tag in rest:  # name[ARGS]{...}
+                name, _, arguments = rest.partition(self.args_tag)
+                found.append((name.strip(), _json_text(arguments)))
+            elif finished and rest.strip():  # cut before its arguments began
+                found.append((rest.strip(), ""))
+        calls = [ParsedToolCall(name, arguments, self.new_id())
+                 for name, arguments in found if name]
+        return calls if self.parallel else calls[:1]
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
+                literal: Callable[[str], str] = json.dumps) -> str:
+        """The form the vocabulary says: `name[ARGS]{...}` where `[ARGS]` is a token (v11
+        on), else the array."""
+        tag, args = literal(self.start), literal(self.args_tag)
+        if not args.startswith("<["):
+            more = ' (", " call)*' if parallel else ""
+            return (f'start: {tag} " "? "[" call{more} "]"\n'
+                    f"call: %json {json.dumps(self.calls_schema(tools))}")
+        parameters, definitions = _hoisted_definitions(tools)
+        rules = [f'call{i}: {tag} {json.dumps(tool_function(t)["name"])} {args} %json '
+                 f'{json.dumps({**p, **definitions, "x-guidance": JSON_OPTIONS})}'
+                 for i, (t, p) in enumerate(zip(tools, parameters, strict=True))]
+        calls = " | ".join(f"call{i}" for i in range(len(rules)))
+        return f"start: ({calls}){'+' if parallel else ''}\n" + "\n".join(rules)
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return f"{self.start}[{', '.join(self.call_json(c) for c in calls)}]"
+
+
+def _json_objects(text: str, i: int, separator: str) -> list[str]:
+    """The JSON objects from ``text[i:]`` on, ``separator`` (and whitespace) between them;
+    the last as far as written while it is open (or broken)."""
+    objects: list[str] = []
+    i = _skip_space(text, i)
+    while text.startswith("{", i):
+        _, end = _read(text, i)
+        if end is None:
+            objects.append(text[i:])
+            break
+        objects.append(text[i:end])
+        i = _skip_space(text, end)
+        i = _skip_space(text, i + 1) if text.startswith(separator, i) else len(text)
+    return objects
+
+
+def _json_text(text: str) -> str:
+    """The JSON value at the start of ``text``: whole, else as far as written (trailing
+    whitespace held back)."""
+    i = _skip_space(text, 0)
+    _, end = _read(text, i)
+    return text[i:end] if end is not None else text[i:].rstrip()
+
+
+_ALNUM = string.ascii_letters + string.digits
+
 # --tool-call-parser's choices (ServerConfig checks the flag against these names).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser,
-                                             "llama3_json": Llama3JsonToolParser}
+                                             "llama3_json": Llama3JsonToolParser,
+                                             "mistral": MistralToolParser}
 
 
 def get_tool_parser(name: str | None, parallel: bool = True,
