@@ -47,6 +47,9 @@ def test_embeddings_are_transformers_last_hidden_state(tiny_model_factory, hf_ti
         assert abs(np.linalg.norm(vector) - 1) < 1e-5
         np.testing.assert_allclose(vector, _reference(hf, one.prompt_token_ids), atol=2e-5)
         np.testing.assert_allclose(batched.outputs.embedding, vector, atol=2e-5)
+    full = [7 + i % 50 for i in range(256)]  # the whole context (max_model_len)
+    np.testing.assert_allclose(llm.embed({"prompt_token_ids": full})[0].outputs.embedding,
+                               _reference(hf, full), atol=2e-5)
     kv_free(llm)
 
 
@@ -85,8 +88,17 @@ def test_the_embeddings_endpoint(server: ServerProcess, hf_default_model) -> Non
                         ({"input": [[10**9]]}, "input")):
         bad = httpx.post(server.base_url + "/v1/embeddings", json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
-    with pytest.raises(openai.BadRequestError, match="tokens"):
-        client.embeddings.create(model=server.model, input="word " * 2000)
+    # A prompt may fill the context (the token generated with it is dropped), not more
+    full = client.embeddings.create(model=server.model, input=[[5] * 1024],
+                                    encoding_format="float")
+    assert full.usage.prompt_tokens == 1024 and len(full.data[0].embedding) == 576
+    with pytest.raises(openai.BadRequestError, match="1025 input tokens"):
+        client.embeddings.create(model=server.model, input=[[5] * 1025])
+    # Many inputs, as clients send them (LangChain: up to 1000), in one request
+    many = client.embeddings.create(model=server.model, input=[f"item {i}" for i in range(100)])
+    assert [d.index for d in many.data] == list(range(100))
+    np.testing.assert_allclose(many.data[7].embedding, client.embeddings.create(
+        model=server.model, input="item 7").data[0].embedding, atol=1e-5)
     wait_idle(server)
 
 

@@ -297,6 +297,7 @@ LLAMA3_TEXTS = [
     '<|python_tag|>{"name": "f", "parameters": {"a": "}; {"}}; {"name": "g", "parameters": {}}',
     "  Paris is the capital; {\"name\": \"f\"} is not a call here",
     '{"answer": 42, "name": 7}',  # JSON, but no call: content
+    '{"name": "Bob", "age": 31}',  # a name, but no parameters: an answer, not a call
     ' {"parameters": {"b": [1, 2]}, "name": "h"}  ;{"name": "i", "parameters": {"s": "é',
     '<|python_tag|>{"name": "f", "parameters": {"a": true,\n  "b": nul',  # cut by max_tokens
     "<|python_ta",  # cut inside the tag: content (it is not a call)
@@ -374,7 +375,8 @@ def test_llama3_json_calls_are_the_models_json() -> None:
     assert parser.parse(LLAMA3_TEXTS[1])[0] is None  # no content beside calls
     assert parser.parse(LLAMA3_TEXTS[2]) == (LLAMA3_TEXTS[2], [])
     assert parser.parse(LLAMA3_TEXTS[3]) == (LLAMA3_TEXTS[3], [])
-    assert [(c.name, c.arguments) for c in parser.parse(LLAMA3_TEXTS[4])[1]] == \
+    assert parser.parse(LLAMA3_TEXTS[4]) == (LLAMA3_TEXTS[4], [])
+    assert [(c.name, c.arguments) for c in parser.parse(LLAMA3_TEXTS[5])[1]] == \
         [("h", '{"b": [1, 2]}'), ("i", '{"s": "é')]
     assert [c.name for c in Llama3JsonToolParser(parallel=False).parse(LLAMA3_TEXTS[1])[1]] \
         == ["f"]

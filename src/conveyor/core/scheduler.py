@@ -88,7 +88,9 @@ class Scheduler:
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never complete: ValueError with the reason."""
         limit = self.config.max_model_len
-        if request.num_prompt_tokens >= limit:
+        # (an embedding's prompt may fill the context: its one sampled token is dropped)
+        room = 0 if request.sampling_params.return_embedding else 1
+        if request.num_prompt_tokens + room > limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"request has {request.num_prompt_tokens} input tokens. Please reduce the "

@@ -142,11 +142,13 @@ def stream_usage(req: _SamplingFields) -> bool:
 
 
 def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | None,
-                  prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
+                  prompt_param: str, max_tokens_param: str = "max_tokens",
+                  whole_context: bool = False) -> None:
     """OpenAI's (and vLLM's) context-length errors, in the wording clients parse; the
-    `param` names the fields the request sent."""
+    `param` names the fields the request sent. ``whole_context``: the input may fill the
+    context (an embedding's)."""
     limit = state.engine.max_model_len
-    if num_input_tokens >= limit:
+    if num_input_tokens + (0 if whole_context else 1) > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, your request "
             f"has {num_input_tokens} input tokens. Please reduce the length of the input "
@@ -169,16 +171,18 @@ async def submit(state: ServerState, prompts: list[list[int]], params: SamplingP
     vLLM's are: a client may reuse its id (a retry while the first try is still ending, two
     gateways' ids colliding) without either request failing.
     """
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(
-                ids, params, f"{rid}-{uuid.uuid4().hex[:8]}", req.priority, req.user))
-    except BaseException:
+    adds = []
+    for i, ids in enumerate(prompts):  # all at once: the engine takes them in one step
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        adds.append(state.engine.add_request(ids, params, f"{rid}-{uuid.uuid4().hex[:8]}",
+                                             req.priority, req.user))
+    added = await asyncio.gather(*adds, return_exceptions=True)
+    streams = [a for a in added if isinstance(a, RequestStream)]
+    failure = next((a for a in added if isinstance(a, BaseException)), None)
+    if failure is not None:
         for stream in streams:
             stream.close()
-        raise
+        raise failure
     return streams
 
 

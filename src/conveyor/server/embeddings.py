@@ -12,7 +12,6 @@ from fastapi import Request
 
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.common import (
-    MAX_PROMPTS_PER_REQUEST,
     ServerState,
     bad_request,
     check_context,
@@ -29,6 +28,8 @@ from conveyor.server.protocol import (
     EmbeddingUsage,
 )
 
+# As OpenAI's API: inputs per request.
+MAX_INPUTS = 2048
 # One token is generated (and dropped): the embedding comes with the first sample.
 _PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
                          detokenize=False)
@@ -53,7 +54,7 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest,
     encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in inputs])
     prompts = [ids for _, ids in encoded]
     for ids in prompts:
-        check_context(state, len(ids), 1, "input")
+        check_context(state, len(ids), None, "input", whole_context=True)
     streams = await submit(state, prompts, _PARAMS, f"embd-{request_id_of(raw)}", req)
     finals = await unless_disconnected(
         raw, asyncio.gather(*(collect(s) for s in streams)), streams)
@@ -75,9 +76,9 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | 
         items = list(value)  # type: ignore[arg-type]
     if not items:
         raise bad_request("input must not be empty", "input")
-    if len(items) > MAX_PROMPTS_PER_REQUEST:
-        raise bad_request(f"input may hold at most {MAX_PROMPTS_PER_REQUEST} inputs, got "
-                          f"{len(items)}", "input")
+    if len(items) > MAX_INPUTS:
+        raise bad_request(f"input may hold at most {MAX_INPUTS} inputs, got {len(items)}",
+                          "input")
     for i, item in enumerate(items):
         if len(item) == 0:
             raise bad_request(f"input[{i}] must not be empty", "input")

@@ -75,7 +75,7 @@ def _read(text: str, i: int) -> tuple[Any, int | None]:
         return None, None
 
 
-def scan_call(body: str) -> tuple[str | None, str]:
+def scan_call(body: str, require_arguments: bool = False) -> tuple[str | None, str]:
     """(name, arguments text) of a tool call's JSON object, as far as ``body`` goes.
 
     Python's JSON decoder reads each key and value in turn; the arguments are the raw text
@@ -83,7 +83,7 @@ def scan_call(body: str) -> tuple[str | None, str]:
     else what is written of it so far (trailing whitespace held back); ``{}`` when the
     object closed without one. No name: not a call. A grown ``body`` never changes a name
     once read, and its arguments text starts with the shorter one's: streaming relies on
-    that."""
+    that. ``require_arguments``: an object without the arguments key (yet) is no call."""
     i = _skip_space(body, 0)
     if not body.startswith("{", i):
         return None, ""
@@ -93,6 +93,8 @@ def scan_call(body: str) -> tuple[str | None, str]:
     while True:
         i = _skip_space(body, i)
         if body.startswith("}", i):
+            if arguments is None and require_arguments:
+                return None, ""
             return name, "{}" if arguments is None else arguments
         if body.startswith(",", i):
             i = _skip_space(body, i + 1)
@@ -113,6 +115,8 @@ def scan_call(body: str) -> tuple[str | None, str]:
         elif wanted:
             arguments = body[i:end]
         i = end
+    if arguments is None and require_arguments:
+        return None, ""
     return name, arguments or ""
 
 
@@ -132,6 +136,8 @@ class ToolParser:
     arguments_key = "arguments"  # the key of a call's arguments, as the family writes it
     # Its tags are special tokens, which a request's text keeps only when asked
     keeps_special_tokens = False
+    # A JSON object is a call only with its arguments key (no tag sets calls apart)
+    requires_arguments = False
     call_separator = "\n"  # between calls (grammar, calls written back)
     tools_separator = "\n"  # between the tools described in the system prompt
     system_template = "{tools}"
@@ -154,7 +160,8 @@ class ToolParser:
 
     def calls(self, text: str, finished: bool) -> list[ParsedToolCall]:
         """The calls in the text so far (an open one at the end as far as it goes)."""
-        scanned = (scan_call(body) for body in self.call_bodies(text, finished))
+        scanned = (scan_call(body, self.requires_arguments)
+                   for body in self.call_bodies(text, finished))
         calls = [ParsedToolCall(name, arguments) for name, arguments in scanned
                  if name is not None]
         return calls if self.parallel else calls[:1]
@@ -266,6 +273,7 @@ class Llama3JsonToolParser(ToolParser):
     by ";"; an output that does not begin with one is content (no content beside calls)."""
 
     arguments_key = "parameters"
+    requires_arguments = True  # {"name": "Bob", "age": 31} is an answer, not a call
     call_separator = "; "
     tools_separator = "\n\n"
     system_template = _LLAMA3_SYSTEM
