@@ -88,15 +88,16 @@ def test_the_prompt_says_where_the_output_begins() -> None:
     assert opened(prompt, prefill="Sure") is False
 
 
-def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template: str) -> int:
-    """The tiny tokenizer with Qwen3's added tokens (not special): <think>, </think>,
-    <tool_call>, </tool_call>; and a chat template; its vocabulary size."""
+def _thinking_tokenizer(folder: Path, tiny_tokenizer: tuple[Path, int], template: str,
+                        special: bool = False) -> int:
+    """The tiny tokenizer with Qwen3's added tokens (not special, unless ``special``):
+    <think>, </think>, <tool_call>, </tool_call>; and a chat template; its vocabulary size."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
     source, _ = tiny_tokenizer
     tok = HFTokenizer.from_file(str(source / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+    tok.add_tokens([AddedToken(t, special=special, normalized=False)
                     for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -405,3 +406,26 @@ def test_a_thinking_budget_over_http(thinking_server, server) -> None:
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         text_tags.chat.completions.create(model=server.model, messages=ASK, max_tokens=5,
                                           extra_body={"thinking_token_budget": 8})
+
+
+def test_thinking_tags_marked_special_are_read(tmp_path_factory, tiny_tokenizer) -> None:
+    """A vocabulary (a GGUF conversion, say) that marks <think> special: decoding would
+    drop the tags, so such requests keep special tokens and the thinking is still read."""
+    from conftest import build_tiny_model
+
+    tokenizer_dir = tmp_path_factory.mktemp("special-thinking-tokenizer")
+    vocab = _thinking_tokenizer(tokenizer_dir, tiny_tokenizer, TEMPLATE, special=True)
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-special-thinking"),
+                              tokenizer_dir, vocab, "qwen3", num_key_value_heads=2)
+    server = start_server("--model", str(folder), "--dtype", "float32",
+                          "--max-model-len", "256", "--kv-cache-memory", "1MiB")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        message = client.chat.completions.create(
+            model=server.model, messages=ASK, max_tokens=12, temperature=1.0, seed=1,
+            extra_body={"thinking_token_budget": 2}).choices[0].message
+        assert message.reasoning is not None and message.content  # type: ignore[attr-defined]
+        assert "think>" not in message.content
+    finally:
+        assert server.stop() == 0, server.log_tail()
+        server.remove_log()

@@ -290,12 +290,22 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
             raise
         raise bad_request(max_tokens_param + str(e).removeprefix("max_tokens"),
                           max_tokens_param) from None
-    if plan.parser is not None and plan.parser.keeps_special_tokens:  # its tags are some
+    if _keeps_special_tokens(state, plan):
         params = params.replace(skip_special_tokens=False)
     if constraint is not None:
         await check_constraint(state.engine, params, constraint)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     return PreparedChat(ids, params, plan)
+
+
+def _keeps_special_tokens(state: ServerState, plan: OutputPlan) -> bool:
+    """The output's text must keep special tokens: the tool parser's tags are some
+    (Mistral's), or the thinking's are (some vocabularies mark <think> special)."""
+    if plan.parser is not None and plan.parser.keeps_special_tokens:
+        return True
+    section = plan.reasoning
+    return section is not None and any(state.engine.tokenizer.is_special(tag)
+                                       for tag in (section.start, section.end))
 
 
 def _constraint(req: ChatCompletionRequest, plan: OutputPlan) -> Constraint | None:

@@ -327,6 +327,12 @@ class Tokenizer:
         text: str = self._tok.to_str()
         return text
 
+    def is_special(self, token: str) -> bool:
+        """Whether ``token`` is a special (control) token: decoding drops it unless asked
+        (skip_special_tokens=False)."""
+        return any(added.content == token and added.special
+                   for added in self._tok.get_added_tokens_decoder().values())
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
