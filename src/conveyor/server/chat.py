@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput, joined
+from conveyor.outputs import CompletionOutput, RequestOutput, joined
 from conveyor.sampling_params import (
     ANY_ANSWER,
     MAX_LOGPROBS,
@@ -53,12 +53,14 @@ from conveyor.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
+    Usage,
 )
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
 from conveyor.server.tools import (
@@ -199,6 +201,7 @@ class OutputPlan:
     # and the content are read from the answer after it.
     reasoning: ReasoningSection | None = None
     include_reasoning: bool = True  # vLLM's field: False drops the thinking from the answer
+    reasoning_end_id: int | None = None  # the end tag's token, to count thinking tokens
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ParsedToolCall]]:
         """(thinking, content, calls) of a finished output: the whole text as content
@@ -210,6 +213,26 @@ class OutputPlan:
         if thinking is not None and not content:
             content = None  # the model thought and never answered (cut by max_tokens)
         return (thinking if self.include_reasoning else None), content, calls
+
+    def reasoning_tokens(self, c: CompletionOutput) -> int:
+        """The output's thinking tokens (its tags included): up to the end tag, or all of
+        them while the thinking goes on."""
+        if self.reasoning is None:
+            return 0
+        ids = c.token_ids
+        if self.reasoning_end_id in ids:
+            return ids.index(self.reasoning_end_id) + 1
+        thinking, answer = reasoning.split(self.reasoning, c.text)
+        return len(ids) if thinking is not None and not answer else 0
+
+    def usage(self, final: RequestOutput) -> Usage:
+        """The request's usage, with its thinking tokens where the server reads thinking
+        and can count them (the end tag is a token)."""
+        counted = usage([final])
+        if self.reasoning is not None and self.reasoning_end_id is not None:
+            counted.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(self.reasoning_tokens(c) for c in final.outputs))
+        return counted
 
     def choice_stream(self) -> ChoiceStream:
         """What one streamed choice of this plan has sent so far (nothing yet)."""
@@ -344,8 +367,9 @@ def _with_reasoning(state: ServerState, req: ChatCompletionRequest, plan: Output
                                    or not state.config.structured_outputs_in_reasoning):
         constraint = dataclasses.replace(constraint, params=dataclasses.replace(
             constraint.params, after_reasoning=section))
-    return dataclasses.replace(plan, reasoning=section,
-                               include_reasoning=req.include_reasoning), constraint
+    return dataclasses.replace(
+        plan, reasoning=section, include_reasoning=req.include_reasoning,
+        reasoning_end_id=state.engine.tokenizer.token_to_id(section.end)), constraint
 
 
 def _thinking_budget(state: ServerState, req: ChatCompletionRequest) -> int | None:
@@ -420,7 +444,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     choices = [_choice(c, num_top, plan) for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=usage([final]),
+                                  usage=plan.usage(final),
                                   prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
 
 
@@ -452,7 +476,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
     choices: dict[int, ChoiceStream] = {}
 
     def chunk(choice: ChatChunkChoice) -> str:
-        so_far = usage([final]) if continuous and final is not None else None
+        so_far = plan.usage(final) if continuous and final is not None else None
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                        choices=[choice], usage=so_far).model_dump_json())
 
@@ -469,7 +493,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
                 yield chunk(choice)
     if include_usage and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
-                                      choices=[], usage=usage([final])).model_dump_json())
+                                      choices=[], usage=plan.usage(final)).model_dump_json())
     if final is not None and (failures := sse_failures([final])):
         yield failures
 

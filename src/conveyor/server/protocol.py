@@ -282,11 +282,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # a reasoning model's thinking, its tags included
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Where the server reads thinking (and its end tag is a token): left out otherwise
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(BaseModel):

@@ -50,6 +50,7 @@ from conveyor.server.protocol import (
     ResponseOutputItem,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseOutputTokensDetails,
     ResponseReasoningItem,
     ResponseReasoningText,
     ResponsesContentPart,
@@ -76,7 +77,7 @@ async def create_response(state: ServerState, req: ResponsesRequest,
         events = _ResponseEvents(echo, chat.plan)
         return EngineStreamingResponse(events.sse(streams[0], request_id_of(raw)), streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
-    return _finished(echo, final, _output_items(final, chat))
+    return _finished(echo, final, _output_items(final, chat), chat.plan)
 
 
 def _check_supported(req: ResponsesRequest) -> None:
@@ -244,15 +245,17 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _finished(echo: ResponseObject, final: RequestOutput,
-              output: list[ResponseOutputItem]) -> ResponseObject:
+def _finished(echo: ResponseObject, final: RequestOutput, output: list[ResponseOutputItem],
+              plan: OutputPlan) -> ResponseObject:
     """The response once its request ended: status, usage, why it is incomplete or failed."""
     c = final.outputs[0]
     prompt, generated = len(final.prompt_token_ids), final.metrics.num_generation_tokens
     usage = ResponseUsage(input_tokens=prompt, output_tokens=generated,
                           total_tokens=prompt + generated,
                           input_tokens_details=ResponseInputTokensDetails(
-                              cached_tokens=final.num_cached_tokens))
+                              cached_tokens=final.num_cached_tokens),
+                          output_tokens_details=ResponseOutputTokensDetails(
+                              reasoning_tokens=plan.reasoning_tokens(c)))
     update: dict[str, Any] = {"status": "completed", "output": output, "usage": usage}
     if c.finish_reason == "length":
         update.update(status="incomplete",
@@ -401,7 +404,7 @@ class _ResponseEvents:
             yield from self._close_items(status)  # no answer at all (thinking, perhaps): an
             yield from self._open_text("message")  # empty message, as a whole answer has
         yield from self._close_items(status)
-        response = _finished(self.echo, final, self.items)
+        response = _finished(self.echo, final, self.items, self.plan)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete",
                 "failed": "response.failed"}[response.status]
         yield self.event(kind, response=response)
