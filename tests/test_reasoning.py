@@ -33,7 +33,7 @@ from conveyor.server.reasoning import (
     reasoning_section,
     split,
 )
-from conveyor.server.tools import HermesToolParser
+from conveyor.server.tool_parsers import HermesToolParser
 from conveyor.structured.compiler import lark_literal
 from conveyor.tokenizer.tokenizer import Tokenizer
 from server_fixtures import ServerProcess, start_server, wait_idle

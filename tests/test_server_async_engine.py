@@ -234,3 +234,37 @@ def test_failing_step_kills_the_engine_and_its_streams():
         await engine.shutdown()
 
     _run(main())
+
+
+def test_a_cancelled_submit_closes_what_it_added() -> None:
+    """The server adds a request's prompts at once; cancelled while some adds wait for the
+    engine (the client went away), those already added are closed (aborted), not left to
+    run. An engine stand-in: the race is the point, not the model."""
+    from conveyor.engine.async_engine import RequestStream
+    from conveyor.server.common import submit
+
+    closed: list[str] = []
+
+    class Stream(RequestStream):
+        def __init__(self, request_id: str) -> None:  # (no engine behind it)
+            self.request_id = request_id
+
+        def close(self) -> None:
+            closed.append(self.request_id)
+
+    class Engine:
+        async def add_request(self, ids, params, request_id, priority, user):
+            if ids[0] != 0:
+                await asyncio.sleep(10)  # still waiting for the engine's step
+            return Stream(request_id)
+
+    async def main() -> None:
+        task = asyncio.create_task(submit(SimpleNamespace(engine=Engine()), [[0], [1]],
+                                          None, "r", SimpleNamespace(priority=0, user=None)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert [c.split("-")[1] for c in closed] == ["0"]

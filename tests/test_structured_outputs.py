@@ -17,13 +17,13 @@ import pytest
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.bench.datasets import sample_json_schema_requests
-from conveyor.server.tools import (
+from conveyor.server.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
-    ToolCallStream,
     ToolParser,
 )
+from conveyor.server.tools import ToolCallStream
 
 PROMPTS = ["one two three", "the cat sat on", "東京 日本語 Привет", "def return print"]
 

@@ -294,3 +294,9 @@ class SamplingParams:
     def from_optional(cls, **fields: object) -> SamplingParams:
         """vLLM's: the fields given as None take their defaults."""
         return cls(**{k: v for k, v in fields.items() if v is not None})  # type: ignore[arg-type]
+
+
+# An embedding's request (LLM.embed, /v1/embeddings): one token is generated (and dropped),
+# the embedding comes with it.
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
+                                  detokenize=False)

@@ -11,7 +11,7 @@ from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.stats import EngineStats
 from conveyor.ops.openmp import release_openmp_threads
 from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from conveyor.sampling_params import RequestOutputKind, SamplingParams
+from conveyor.sampling_params import EMBEDDING_PARAMS, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +133,11 @@ class LLM:
         if pooling_params is not None:
             raise ValueError("pooling_params: only the default pooling (last token, "
                              "normalized) is supported")
-        params = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
-                                detokenize=False)
-        outputs = self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(prompts, EMBEDDING_PARAMS, use_tqdm)
+        for o in outputs:
+            if o.embedding is None:
+                raise RuntimeError(f"request {o.request_id} ended without its embedding: "
+                                   f"{o.outputs[0].error if o.outputs else 'it failed'}")
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []),
                                        o.prompt_token_ids) for o in outputs]
 

@@ -269,30 +269,25 @@ class ModelRunner:
             return PendingStep.done(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         if keep is None and len(rows) < hidden.shape[0]:  # else every token samples: all rows
             hidden = hidden[self._upload(rows)]
-        embeddings = self._embeddings(samplers, hidden)
         logits = self.model.compute_logits(hidden)
         if not self.sampling:
             return PendingStep.done(ModelRunnerOutput({}))
-        if masks is not None:  # every row of a constrained request (a verify: 1 + drafts)
-            constrained, bitmask = masks
-            first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
-            apply_token_bitmask(logits, bitmask.result(),
-                                [r for i in constrained for r in range(first[i], first[i + 1])])
+        embeddings = self._embeddings(samplers, hidden)
+        if masks is not None:
+            self._apply_masks(logits, masks, samplers)
         states = [self.states[s.request_id] for s in samplers]
         if self.drafter is None and not any(s.spec_token_ids for s in samplers):
             # (a token still on the device counts: min_tokens' ban and the penalties)
             views = [st.with_pending(self._pending_token(s.request_id))
                      if s.request_id in self._pending else st
                      for s, st in zip(samplers, states, strict=True)]
-            step = self._pending_step(samplers, states, self.sampler.sample(logits, views),
-                                      prompt_logprobs)
-            step.embeddings = embeddings
-            return step
+            return self._pending_step(samplers, states, self.sampler.sample(logits, views),
+                                      prompt_logprobs, embeddings)
         # Drafts to verify: the sampler decides row by row on the host
         sampled = self.sampler.verify(logits, states, [s.spec_token_ids for s in samplers])
         result = self._record(samplers, states, sampled)
         result.draft_seconds, result.prompt_logprobs = draft_seconds, prompt_logprobs
-        result.embeddings = embeddings
+        result.embeddings = embeddings.lists() if embeddings is not None else {}
         if self.drafter is not None:  # how far each verify's draft K/V is now valid
             self.drafter.record(samplers, result)
         return PendingStep.done(result)
@@ -309,32 +304,45 @@ class ModelRunner:
                 self.drafter.forget(request_id)
 
     def _pending_step(self, samplers: list[ScheduledRequest], states: list[SamplingState],
-                      sampled: Sampled, prompt_logprobs: dict[str, Any]) -> PendingStep:
+                      sampled: Sampled, prompt_logprobs: dict[str, Any],
+                      embeddings: Embeddings | None = None) -> PendingStep:
         """A step's one token per request, on the device: the next step may read them there
         (``_prepare``) before ``result()`` brings them to the host (with the step's prompt
         logprobs, computed already)."""
         sampled.start_copy()
         step = PendingStep(self, samplers, states, sampled)
-        step.prompt_logprobs = prompt_logprobs
+        step.prompt_logprobs, step.embeddings = prompt_logprobs, embeddings
         for i, s in enumerate(samplers):
             self._pending[s.request_id] = (step, i)
         return step
 
+    @staticmethod
+    def _apply_masks(logits: torch.Tensor, masks: tuple[list[int], Future[torch.Tensor]],
+                     samplers: list[ScheduledRequest]) -> None:
+        """The grammar masks on every row of a constrained request (a verify: 1 + drafts)."""
+        constrained, bitmask = masks
+        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
+        apply_token_bitmask(logits, bitmask.result(),
+                            [r for i in constrained for r in range(first[i], first[i + 1])])
+
     def _embeddings(self, samplers: list[ScheduledRequest], hidden: torch.Tensor
-                    ) -> dict[str, list[float]]:
+                    ) -> Embeddings | None:
         """The prompt embeddings of the requests that asked (return_embedding) and sample
         their first token now: the final hidden state of the prompt's last token (each
-        sampler's first row of ``hidden``), L2-normalized, in float32."""
+        sampler's first row of ``hidden``), L2-normalized, in float32; their copy to the
+        host started (the step's one wait, in ``result()``, covers it)."""
         wanted = [(i, s.request_id) for i, s in enumerate(samplers)
                   if (state := self.states[s.request_id]).params.return_embedding
                   and not state.output_token_ids]
         if not wanted:
-            return {}
+            return None
         first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
         vectors = torch.nn.functional.normalize(
-            hidden[self._upload([int(first[i]) for i, _ in wanted])].float(), dim=-1).cpu()
-        return {request_id: vector.tolist()
-                for (_, request_id), vector in zip(wanted, vectors, strict=True)}
+            hidden[self._upload([int(first[i]) for i, _ in wanted])].float(), dim=-1)
+        if vectors.device.type == "cuda":  # pinned: the copy runs behind the sampling
+            vectors = torch.empty(vectors.shape, pin_memory=True).copy_(vectors,
+                                                                        non_blocking=True)
+        return Embeddings([request_id for _, request_id in wanted], vectors)
 
     def _wants_prompt_logprobs(self, batch: list[ScheduledRequest]) -> bool:
         """Whether a request of the batch asked for its prompt's logprobs."""
@@ -592,6 +600,18 @@ def _answer_is_free(params: SamplingParams, matcher: LLMatcher) -> bool:
     return spec is not None and spec.bounds_thinking_only and matcher.is_accepting()
 
 
+@dataclass
+class Embeddings:
+    """A step's prompt embeddings: one row per request, on the host (or on their way)."""
+
+    request_ids: list[str]
+    vectors: torch.Tensor  # [len(request_ids), hidden], float32
+
+    def lists(self) -> dict[str, list[float]]:
+        rows: list[list[float]] = self.vectors.tolist()
+        return dict(zip(self.request_ids, rows, strict=True))
+
+
 class PendingStep:
     """A launched step: its output once ``result()`` has brought its tokens to the host."""
 
@@ -604,7 +624,7 @@ class PendingStep:
         self.sampled = sampled
         self._output = output
         self.prompt_logprobs: dict[str, tuple[int, list[dict[int, Any]]]] = {}
-        self.embeddings: dict[str, list[float]] = {}
+        self.embeddings: Embeddings | None = None
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> PendingStep:
@@ -622,5 +642,6 @@ class PendingStep:
             assert self._runner is not None
             self._output = self._runner._finish(self)
             self._output.prompt_logprobs = self.prompt_logprobs
-            self._output.embeddings = self.embeddings
+            if self.embeddings is not None:
+                self._output.embeddings = self.embeddings.lists()
         return self._output

@@ -267,7 +267,12 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeRespons
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    engine = state.engine
+    _add_api_routes(app, state)
+    _add_service_routes(app, state)
+
+
+def _add_api_routes(app: FastAPI, state: ServerState) -> None:
+    """The APIs that generate: OpenAI's, Anthropic's Messages."""
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
@@ -292,6 +297,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
     async def messages_count_tokens(req: CountTokensRequest) -> CountTokensResponse:
         return await count_tokens(state, req)
+
+
+def _add_service_routes(app: FastAPI, state: ServerState) -> None:
+    """The model list, health, version, the tokenizer, metrics and stats."""
+    engine = state.engine
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

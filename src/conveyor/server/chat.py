@@ -63,11 +63,9 @@ from conveyor.server.protocol import (
     Usage,
 )
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
+from conveyor.server.tool_parsers import ParsedToolCall, ToolParser, get_tool_parser
 from conveyor.server.tools import (
-    ParsedToolCall,
     ToolCallStream,
-    ToolParser,
-    get_tool_parser,
     messages_for_template,
     template_supports_tools,
 )
@@ -134,7 +132,7 @@ def render_conversation(state: ServerState, messages: list[ChatMessage],
 
     Whatever is wrong with the messages (the template refuses them, the text is not valid
     Unicode or too long to fit) is a 400 on `messages`. Tools go to a template that renders
-    them; otherwise the tool parser's own prompt is added (server/tools.py).
+    them; otherwise the tool parser's own prompt is added (server/tool_parsers.py).
     """
     tokenizer = state.engine.tokenizer
     if tokenizer is None:

@@ -171,19 +171,27 @@ async def submit(state: ServerState, prompts: list[list[int]], params: SamplingP
     vLLM's are: a client may reuse its id (a retry while the first try is still ending, two
     gateways' ids colliding) without either request failing.
     """
-    adds = []
+    adds: list[asyncio.Task[RequestStream]] = []
     for i, ids in enumerate(prompts):  # all at once: the engine takes them in one step
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        adds.append(state.engine.add_request(ids, params, f"{rid}-{uuid.uuid4().hex[:8]}",
-                                             req.priority, req.user))
-    added = await asyncio.gather(*adds, return_exceptions=True)
-    streams = [a for a in added if isinstance(a, RequestStream)]
-    failure = next((a for a in added if isinstance(a, BaseException)), None)
+        adds.append(asyncio.create_task(state.engine.add_request(
+            ids, params, f"{rid}-{uuid.uuid4().hex[:8]}", req.priority, req.user)))
+    try:
+        await asyncio.gather(*adds, return_exceptions=True)
+    except BaseException:  # cancelled (the adds with it): close what was added
+        _close_added(adds)
+        raise
+    failure = next((e for a in adds if (e := a.exception()) is not None), None)
     if failure is not None:
-        for stream in streams:
-            stream.close()
+        _close_added(adds)
         raise failure
-    return streams
+    return [a.result() for a in adds]
+
+
+def _close_added(adds: list[asyncio.Task[RequestStream]]) -> None:
+    for add in adds:
+        if add.done() and not add.cancelled() and add.exception() is None:
+            add.result().close()
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

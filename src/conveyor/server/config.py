@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from conveyor.config import _require
 from conveyor.server.reasoning import REASONING_PARSERS
-from conveyor.server.tools import TOOL_PARSERS
+from conveyor.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -7,10 +7,12 @@ import asyncio
 import base64
 import math
 import struct
+from http import HTTPStatus
 
 from fastapi import Request
 
-from conveyor.sampling_params import SamplingParams
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import EMBEDDING_PARAMS
 from conveyor.server.common import (
     ServerState,
     bad_request,
@@ -20,7 +22,7 @@ from conveyor.server.common import (
     submit,
     unless_disconnected,
 )
-from conveyor.server.errors import request_id_of
+from conveyor.server.errors import APIError, request_id_of
 from conveyor.server.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -30,9 +32,6 @@ from conveyor.server.protocol import (
 
 # As OpenAI's API: inputs per request.
 MAX_INPUTS = 2048
-# One token is generated (and dropped): the embedding comes with the first sample.
-_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
-                         detokenize=False)
 
 
 async def create_embeddings(state: ServerState, req: EmbeddingRequest,
@@ -55,14 +54,25 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest,
     prompts = [ids for _, ids in encoded]
     for ids in prompts:
         check_context(state, len(ids), None, "input", whole_context=True)
-    streams = await submit(state, prompts, _PARAMS, f"embd-{request_id_of(raw)}", req)
+    streams = await submit(state, prompts, EMBEDDING_PARAMS, f"embd-{request_id_of(raw)}",
+                           req)
     finals = await unless_disconnected(
         raw, asyncio.gather(*(collect(s) for s in streams)), streams)
-    data = [EmbeddingData(index=i, embedding=_encoded(final.embedding or [], req))
+    data = [EmbeddingData(index=i, embedding=_encoded(_embedding(final), req))
             for i, final in enumerate(finals)]
     tokens = sum(len(ids) for ids in prompts)
     return EmbeddingResponse(data=data, model=state.model_name,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _embedding(final: RequestOutput) -> list[float]:
+    """The request's embedding; a 500 when it ended without one (its step failed)."""
+    if final.embedding is None:
+        why = final.outputs[0].error if final.outputs else None
+        raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                       f"the request ended without its embedding: {why or 'it failed'}",
+                       "server_error")
+    return final.embedding
 
 
 def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

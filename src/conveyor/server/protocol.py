@@ -705,8 +705,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: Int64 | None = None
     metadata: dict[str, Any] | None = None
-    # Ignored: a reasoning model thinks as its chat template has it (chat_template_kwargs,
-    # e.g. {"enable_thinking": false}, turn it off where the template reads one)
+    # {"type": "disabled"}: enable_thinking false to the chat template; "enabled" with
+    # budget_tokens: thinking_token_budget where the server can bound thinking (else
+    # ignored: the template decides whether a reasoning model thinks)
     thinking: dict[str, Any] | None = None
 
 

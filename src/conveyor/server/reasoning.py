@@ -24,6 +24,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from conveyor.sampling_params import ReasoningSection
+from conveyor.server.tool_parsers import partial_tag
 
 if TYPE_CHECKING:
     from conveyor.tokenizer.tokenizer import Tokenizer
@@ -61,7 +62,7 @@ def for_prompt(section: ReasoningSection, prompt: str, prefill: str | None = Non
     the prompt opens nothing.)"""
     if prefill is not None:
         start, end = prefill.rfind(section.start), prefill.rfind(section.end)
-    else:
+    else:  # (1 or 0: which tag the generation prompt ends with, compared as positions)
         tail = prompt.rstrip()
         start, end = int(tail.endswith(section.start)), int(tail.endswith(section.end))
     if end > start:
@@ -89,7 +90,7 @@ class ReasoningStream:
 
     section: ReasoningSection  # its ``opened``: the prompt left it open
     _state: _State = field(init=False)
-    _held: str = ""
+    _held: str = field(default="", init=False)  # text waiting for the next delta
 
     def __post_init__(self) -> None:
         self._state = _State.OPENING if self.section.opened else _State.START
@@ -134,9 +135,7 @@ class ReasoningStream:
 def _held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` wait for the next delta: trailing
     whitespace and a beginning of ``tag`` (they vanish if the tag follows)."""
-    partial = next((n for n in range(min(len(tag) - 1, len(text)), 0, -1)
-                    if tag.startswith(text[-n:])), 0)
-    body = text[:len(text) - partial]
+    body = text[:len(text) - partial_tag(text, tag)]
     return len(text) - len(body.rstrip())
 
 

@@ -131,7 +131,9 @@ def after_reasoning(grammar: str, section: ReasoningSection, tokenizer: Tokenize
         f"start: ({tag(section.start)} think gap?)? answer"
     lark = f"{start}\n{thinking}\ngap: /[ \\t\\r\\n]{{1,4}}/\n"
     start_id = tokenizer.token_to_id(section.start)
-    if free_answer and start_id is not None:
+    if free_answer:
+        if start_id is None:  # an answer could then begin as the thinking does
+            raise GrammarError("thinking_token_budget", f"{section.start} is not a token here")
         return lark + f"answer: (<[^{start_id}]> <[*]>*)?\n"
     grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") \
         else [{"lark_grammar": grammar}]

@@ -6,6 +6,7 @@ model llama.cpp runs, with the pre-tokenizer regex llama.cpp uses for `tokenizer
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -330,8 +331,12 @@ class Tokenizer:
     def is_special(self, token: str) -> bool:
         """Whether ``token`` is a special (control) token: decoding drops it unless asked
         (skip_special_tokens=False)."""
-        return any(added.content == token and added.special
-                   for added in self._tok.get_added_tokens_decoder().values())
+        return token in self._special_tokens
+
+    @functools.cached_property
+    def _special_tokens(self) -> frozenset[str]:
+        return frozenset(added.content for added in
+                         self._tok.get_added_tokens_decoder().values() if added.special)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
