@@ -211,7 +211,7 @@ def test_a_stream_that_fails_ends_with_response_failed():
     then response.failed (clients wait for completed, incomplete or failed)."""
     from conveyor.engine.async_engine import RequestFailedError
     from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from conveyor.server.chat import OutputPlan
+    from conveyor.server.output_plan import OutputPlan
     from conveyor.server.protocol import ResponseObject
     from conveyor.server.responses import _ResponseEvents
 

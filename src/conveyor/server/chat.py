@@ -16,11 +16,10 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from conveyor.engine.async_engine import RequestStream
-from conveyor.outputs import CompletionOutput, RequestOutput, joined
+from conveyor.outputs import CompletionOutput
 from conveyor.sampling_params import (
     ANY_ANSWER,
     MAX_LOGPROBS,
-    ReasoningSection,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -40,10 +39,10 @@ from conveyor.server.common import (
     stream_usage,
     submit,
     unless_disconnected,
-    usage,
 )
 from conveyor.server.errors import APIError, request_id_of
-from conveyor.server.logprobs import chat_logprobs, prompt_logprobs
+from conveyor.server.logprobs import prompt_logprobs
+from conveyor.server.output_plan import ChoiceStream, OutputPlan, choice_logprobs, finish_reason
 from conveyor.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -51,21 +50,15 @@ from conveyor.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
-    CompletionTokensDetails,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
-    Usage,
 )
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
-from conveyor.server.tool_parsers import ParsedToolCall, ToolParser, get_tool_parser
+from conveyor.server.tool_parsers import get_tool_parser
 from conveyor.server.tools import (
-    ToolCallStream,
     messages_for_template,
     template_supports_tools,
 )
@@ -183,60 +176,6 @@ def _check_request(req: ChatCompletionRequest) -> int | None:
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (as vLLM takes it)
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
-
-
-@dataclass(frozen=True)
-class OutputPlan:
-    """What a request's `tools`, `tool_choice` and the reasoning parser make of its output."""
-
-    tools: list[dict[str, Any]] | None  # for the chat template (None: no tools)
-    parser: ToolParser | None  # parses tool calls out of the output (None: text only)
-    constraint: Constraint | None  # "required" or a named function: the calls' grammar
-    # Calls of a named function end with finish_reason "stop", as OpenAI's and vLLM's do;
-    # "auto" and "required" ones with "tool_calls".
-    named: bool = False
-    # The thinking read out of the output first (None: no reasoning parser); the tool calls
-    # and the content are read from the answer after it.
-    reasoning: ReasoningSection | None = None
-    include_reasoning: bool = True  # vLLM's field: False drops the thinking from the answer
-    reasoning_end_id: int | None = None  # the end tag's token, to count thinking tokens
-
-    def parse(self, text: str) -> tuple[str | None, str | None, list[ParsedToolCall]]:
-        """(thinking, content, calls) of a finished output: the whole text as content
-        without a parser."""
-        thinking = None
-        if self.reasoning is not None:
-            thinking, text = reasoning.split(self.reasoning, text)
-        content, calls = self.parser.parse(text) if self.parser is not None else (text, [])
-        if thinking is not None and not content:
-            content = None  # the model thought and never answered (cut by max_tokens)
-        return (thinking if self.include_reasoning else None), content, calls
-
-    def reasoning_tokens(self, c: CompletionOutput) -> int:
-        """The output's thinking tokens (its tags included): up to the end tag, or all of
-        them while the thinking goes on."""
-        if self.reasoning is None:
-            return 0
-        ids = c.token_ids
-        if self.reasoning_end_id in ids:
-            return ids.index(self.reasoning_end_id) + 1
-        thinking, answer = reasoning.split(self.reasoning, c.text)
-        return len(ids) if thinking is not None and not answer else 0
-
-    def usage(self, final: RequestOutput) -> Usage:
-        """The request's usage, with its thinking tokens where the server reads thinking
-        and can count them (the end tag is a token)."""
-        counted = usage([final])
-        if self.reasoning is not None and self.reasoning_end_id is not None:
-            counted.completion_tokens_details = CompletionTokensDetails(
-                reasoning_tokens=sum(self.reasoning_tokens(c) for c in final.outputs))
-        return counted
-
-    def choice_stream(self) -> ChoiceStream:
-        """What one streamed choice of this plan has sent so far (nothing yet)."""
-        return ChoiceStream(ToolCallStream(self.parser) if self.parser else None, self.named,
-                            reasoning.ReasoningStream(self.reasoning)
-                            if self.reasoning is not None else None, self.include_reasoning)
 
 
 def plan_tools(state: ServerState, req: ChatCompletionRequest) -> OutputPlan:
@@ -452,19 +391,9 @@ def _choice(c: CompletionOutput, num_top: int, plan: OutputPlan) -> ChatChoice:
                                tool_calls=[
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
-    return ChatChoice(index=c.index, message=message, logprobs=_logprobs(c, num_top),
-                      finish_reason=_finish_reason(c.finish_reason, bool(calls), plan.named),
+    return ChatChoice(index=c.index, message=message, logprobs=choice_logprobs(c, num_top),
+                      finish_reason=finish_reason(c.finish_reason, bool(calls), plan.named),
                       stop_reason=c.stop_reason)
-
-
-def _finish_reason(reason: str | None, made_calls: bool, named: bool) -> str | None:
-    return "tool_calls" if made_calls and not named and reason == "stop" else reason
-
-
-def _logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs | None:
-    if c.logprobs is None:
-        return None
-    return chat_logprobs(c.token_ids, c.logprobs, num_top)
 
 
 async def _stream(state: ServerState, request_id: str, stream: RequestStream, num_top: int,
@@ -494,50 +423,3 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
                                       choices=[], usage=plan.usage(final)).model_dump_json())
     if final is not None and (failures := sse_failures([final])):
         yield failures
-
-
-@dataclass
-class ChoiceStream:
-    """What one choice has streamed so far."""
-
-    tools: ToolCallStream | None  # tool calls parsed out of the text (None: text only)
-    named: bool  # OutputPlan.named
-    thinking: reasoning.ReasoningStream | None = None  # None: no reasoning parser
-    include_reasoning: bool = True
-    text: str = ""  # the answer so far (the tool-call parser reads it whole)
-    held: CompletionOutput | None = None  # a delta not sent (no text yet): its logprobs wait
-    made_calls: bool = False
-    done: bool = False
-
-    def next_chunk(self, c: CompletionOutput, num_top: int) -> ChatChunkChoice | None:
-        """The chunk for the choice's new output (a delta), or None when there is nothing
-        to send."""
-        if self.done:
-            return None
-        finished = c.finish_reason is not None
-        thought, delta = self.thinking.update(c.text, finished) if self.thinking is not None \
-            else ("", c.text)
-        thought = thought if self.include_reasoning else ""
-        c, self.held = joined(self.held, c), None  # with a delta held back last time
-        calls: list[DeltaToolCall] = []
-        if self.tools is not None:
-            self.text += delta
-            delta, news = self.tools.update(self.text, finished)
-            calls = [DeltaToolCall(index=n.index, id=n.id, type="function" if n.id else None,
-                                   function=DeltaFunctionCall(name=n.name, arguments=n.arguments))
-                     for n in news]
-            self.made_calls = self.made_calls or bool(calls)
-        if not delta and not thought and not calls and not finished:
-            self.held = c
-            return None
-        choice = ChatChunkChoice(index=c.index,
-                                 delta=DeltaMessage(content=delta or None,
-                                                    reasoning=thought or None,
-                                                    reasoning_content=thought or None,
-                                                    tool_calls=calls or None),
-                                 logprobs=_logprobs(c, num_top),
-                                 finish_reason=_finish_reason(c.finish_reason, self.made_calls,
-                                                              self.named),
-                                 stop_reason=c.stop_reason if finished else None)
-        self.done = finished
-        return choice

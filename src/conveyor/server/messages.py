@@ -26,7 +26,6 @@ from fastapi.responses import Response
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import (
-    OutputPlan,
     can_budget_thinking,
     chat_request_of,
     prepare_chat_as,
@@ -46,6 +45,7 @@ from conveyor.server.errors import (
     request_id_of,
     to_api_error,
 )
+from conveyor.server.output_plan import OutputPlan
 from conveyor.server.protocol import (
     AnthropicBlock,
     AnthropicMessage,

@@ -25,12 +25,7 @@ from pydantic import BaseModel
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.outputs import RequestOutput
-from conveyor.server.chat import (
-    OutputPlan,
-    PreparedChat,
-    chat_request_of,
-    prepare_chat_as,
-)
+from conveyor.server.chat import PreparedChat, chat_request_of, prepare_chat_as
 from conveyor.server.common import (
     EngineStreamingResponse,
     ServerState,
@@ -39,6 +34,7 @@ from conveyor.server.common import (
     unless_disconnected,
 )
 from conveyor.server.errors import bad_request, request_id_of, to_api_error
+from conveyor.server.output_plan import OutputPlan
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     DeltaToolCall,
