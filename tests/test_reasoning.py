@@ -411,9 +411,26 @@ def test_a_thinking_budget_over_http(thinking_server, server) -> None:
                                           max_tokens=3, extra_body={
                                               "thinking_token_budget": 2**40})
     assert huge.choices[0].finish_reason == "length"
+    # OpenAI's reasoning_effort reaches the template; "none" turns the thinking off too
+    for effort in ("none", "high"):
+        chat = client.chat.completions.create(model=thinking_server.model, messages=ASK,
+                                              max_tokens=5, reasoning_effort=effort)
+        thought = getattr(chat.choices[0].message, "reasoning", None)
+        assert (thought is None) == (effort == "none"), (effort, chat)
+    plain_response = client.responses.create(model=thinking_server.model, input="hi",
+                                             max_output_tokens=5, reasoning={"effort": "none"})
+    assert [item.type for item in plain_response.output] == ["message"]
+    with pytest.raises(openai.BadRequestError) as bad_effort:
+        client.responses.create(model=thinking_server.model, input="hi",
+                                reasoning={"effort": "enormous"})  # type: ignore[typeddict-item]
+    assert bad_effort.value.body["param"] == "reasoning"  # type: ignore[index]
     off = messages.create(model="any", max_tokens=5, messages=ASK,
                           thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["text"]  # the prompt closed the thinking
+    counted = messages.count_tokens(model="any", messages=ASK, thinking={"type": "disabled"})
+    assert counted.input_tokens == off.usage.input_tokens + \
+        (off.usage.cache_read_input_tokens or 0)
+    assert counted.input_tokens > messages.count_tokens(model="any", messages=ASK).input_tokens
     text_tags = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     plain = text_tags.chat.completions.create(model=server.model, messages=ASK, max_tokens=3)
     assert plain.usage.completion_tokens_details is None  # type: ignore[union-attr]

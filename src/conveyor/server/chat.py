@@ -236,7 +236,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     plan = plan_tools(state, req)
     constraint = _constraint(req, plan)
     ids, text = await asyncio.to_thread(render_conversation, state, req.messages,
-                                        add_generation_prompt, req.chat_template_kwargs,
+                                        add_generation_prompt, _template_kwargs(req),
                                         plan.tools, continue_final_message)
     prefill = template_messages(req.messages[-1:])[0].get("content") or "" \
         if continue_final_message else None
@@ -256,6 +256,15 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         await check_constraint(state.engine, params, constraint)
     check_context(state, len(ids), max_tokens, "messages", max_tokens_param)
     return PreparedChat(ids, params, plan)
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs, after what reasoning_effort says (theirs win)."""
+    effort = req.reasoning_effort
+    kwargs: dict[str, Any] = {"reasoning_effort": effort} if effort else {}
+    if effort == "none":
+        kwargs["enable_thinking"] = False
+    return {**kwargs, **(req.chat_template_kwargs or {})}
 
 
 def _keeps_special_tokens(state: ServerState, plan: OutputPlan) -> bool:

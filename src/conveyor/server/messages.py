@@ -109,16 +109,16 @@ async def create_message(state: ServerState, req: MessagesRequest,
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountTokensResponse:
     """The prompt's tokens as /v1/messages would render it (its tools included)."""
-    chat_req = chat_request_of(_chat_body(req), _PARAMS)
+    chat_req = chat_request_of({**_chat_body(req), **_thinking(state, req)}, _PARAMS)
     tools = [t.model_dump(exclude_none=True) for t in chat_req.tools] if chat_req.tools \
         else None
     ids = await asyncio.to_thread(render_prompt, state, chat_req.messages,
-                                  chat_req.add_generation_prompt, None, tools,
-                                  chat_req.continue_final_message)
+                                  chat_req.add_generation_prompt, chat_req.chat_template_kwargs,
+                                  tools, chat_req.continue_final_message)
     return CountTokensResponse(input_tokens=len(ids))
 
 
-def _thinking(state: ServerState, req: MessagesRequest) -> dict[str, Any]:
+def _thinking(state: ServerState, req: CountTokensRequest) -> dict[str, Any]:
     """Anthropic's `thinking` in the chat's terms: "disabled" asks the template not to
     think (Qwen3's reads enable_thinking; others ignore it); "enabled" with budget_tokens
     bounds the thinking where the server can (thinking_token_budget); else ignored."""

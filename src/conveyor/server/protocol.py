@@ -217,6 +217,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: False drops a reasoning model's thinking
+    # OpenAI's: to the chat template as reasoning_effort (as vLLM); "none" also sends
+    # enable_thinking false (Qwen3's template reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: at most this many thinking tokens, then the end tag is forced (a grammar)
     thinking_token_budget: Int64 | None = None
 
@@ -542,7 +545,7 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: Int64 | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None  # no reasoning parser: ignored
+    reasoning: dict[str, Any] | None = None  # its "effort": the chat's reasoning_effort
 
 
 class ResponseOutputText(BaseModel):
@@ -692,6 +695,10 @@ class CountTokensRequest(_Request):
     system: str | list[AnthropicTextBlock] | None = None
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    # {"type": "disabled"}: enable_thinking false to the chat template; "enabled" with
+    # budget_tokens: thinking_token_budget where the server can bound thinking (else
+    # ignored: the template decides whether a reasoning model thinks)
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -705,10 +712,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: Int64 | None = None
     metadata: dict[str, Any] | None = None
-    # {"type": "disabled"}: enable_thinking false to the chat template; "enabled" with
-    # budget_tokens: thinking_token_budget where the server can bound thinking (else
-    # ignored: the template decides whether a reasoning model thinks)
-    thinking: dict[str, Any] | None = None
 
 
 class CountTokensResponse(BaseModel):

@@ -56,7 +56,8 @@ from conveyor.server.protocol import (
 
 # A chat field's errors, named as the Responses request names what it came from.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
+           "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice",
+           "reasoning_effort": "reasoning"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -112,6 +113,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": req.tool_choice if isinstance(req.tool_choice, str | None)
         else {"type": "function", "function": {"name": req.tool_choice.name}},
         "response_format": _response_format(req),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     return chat_request_of(body, _PARAMS)
 
