@@ -303,6 +303,21 @@ def test_token_bytes_join_to_the_text(tok: Tokenizer, text: str) -> None:
         assert any("\ufffd" in tok.decode([i]) for i in ids)
 
 
+def test_sentencepiece_tokens_keep_their_leading_space() -> None:
+    """A logprob's token as it reads in the text: "▁b" is " b" (decoding it alone strips
+    the space, as the decoder does for a text's first word)."""
+    from conveyor.tokenizer.tokenizer import _sentencepiece_model
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "a", "b",
+              "▁a", "▁b"]
+    backend = _sentencepiece_model(tokens, [0.0] * len(tokens), None, 0, True)
+    spm = Tokenizer(backend, bos_token_id=1, eos_token_ids=[2])
+    output = spm.encode("a b b🐦", add_special_tokens=False)[1:]  # (after the "▁a")
+    assert spm.decode([output[0]]) == "b"  # alone: the space is gone
+    assert [spm.token_text(i) for i in output[:2]] == [" b", " b"]
+    assert b"".join(spm.token_bytes(i) for i in output) == " b b🐦".encode()
+
+
 def test_token_bytes_of_a_sentencepiece_byte_fallback() -> None:
     from conveyor.tokenizer.tokenizer import _sentencepiece_model
 

@@ -597,7 +597,7 @@ class LLMEngine:
             return
         for entries in logprobs:
             for token_id, entry in entries.items():
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self.tokenizer.token_text(token_id)
                 entry.decoded_token = text
                 if "\ufffd" in text:  # a piece of a character: its bytes, for the API
                     entry.decoded_bytes = self.tokenizer.token_bytes(token_id)

@@ -301,11 +301,31 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (a logprob's token): a sentencepiece
+        word keeps its leading space, which decoding it alone strips (the decoder drops the
+        space a text's first word gets)."""
+        anchor = self._strip_anchor
+        if anchor is None:
+            return self.decode([token_id], skip_special_tokens=False)
+        both = self.decode([anchor, token_id], skip_special_tokens=False)
+        return both[len(self.decode([anchor], skip_special_tokens=False)):]
+
+    @functools.cached_property
+    def _strip_anchor(self) -> int | None:
+        """A token to decode before another when the decoder strips a leading space (a
+        sentencepiece vocabulary with add_space_prefix); None when it does not."""
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        word = next((t for t in vocab if t.startswith("▁") and len(t) > 1), None)
+        if word is None or self.decode([vocab[word]]).startswith(" "):
+            return None
+        return next((i for t, i in sorted(vocab.items()) if len(t) == 1 and t.isalpha()), None)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: its text's UTF-8, or for a piece of a character
         (a byte-level entry's spelling, a sentencepiece `<0xAB>`) the raw bytes, which its
         text shows as U+FFFD (OpenAI's logprob `bytes`: pieces join to the text)."""
-        text = self.decode([token_id], skip_special_tokens=False)
+        text = self.token_text(token_id)
         if "\ufffd" not in text:
             return text.encode()
         piece = self.id_to_token(token_id)
