@@ -511,3 +511,30 @@ def test_requests_take_the_models_generation_config_defaults(tiny_model_factory)
     finally:
         assert server.stop() == 0, server.log_tail()
         server.remove_log()
+
+
+def test_several_served_model_names() -> None:
+    """vLLM's --served-model-name NAME [NAME ...]: requests may give any; answers and the
+    model list carry them (the first in answers); other names are a 404."""
+    from conveyor.config import EngineArgs
+
+    assert EngineArgs(served_model_name=["a", "b"]).served_model_name == ("a", "b")
+    with pytest.raises(ValueError, match="served_model_name"):
+        EngineArgs(served_model_name=[])
+    server = start_server("--served-model-name", "first-name", "second-name",
+                          "--max-model-len", "512", "--kv-cache-memory", "32MiB")
+    try:
+        models = httpx.get(server.base_url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["first-name", "second-name"]
+        answer = httpx.post(server.base_url + "/v1/chat/completions", json={
+            "model": "second-name", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2}).json()
+        assert answer["model"] == "first-name", answer
+        assert httpx.get(server.base_url + "/v1/models/second-name").json()["id"] == \
+            "second-name"
+        other = httpx.post(server.base_url + "/v1/completions", json={
+            "model": "third", "prompt": "Hi", "max_tokens": 2})
+        assert other.status_code == 404
+    finally:
+        assert server.stop() == 0, server.log_tail()
+        server.remove_log()

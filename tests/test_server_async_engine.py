@@ -33,6 +33,7 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.model_name = "scripted"
+        self.model_names = ("scripted",)
         self.tokenizer = None
         self.default_sampling: dict[str, Any] = {}
         self.scheduler_config = SimpleNamespace(max_model_len=128, max_num_seqs=4)

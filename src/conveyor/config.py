@@ -126,11 +126,12 @@ INT8_KV_SCALE_BYTES = 4
 
 
 def setting(default: Any, help: str, flag_type: Any = None,
-            aliases: tuple[str, ...] = ()) -> Any:
+            aliases: tuple[str, ...] = (), nargs: str | None = None) -> Any:
     """A settings field: its default, its help text (the ``--flag``'s help) and, where the
     flag's text is parsed into another type in ``__post_init__`` (a memory size into bytes),
-    the type the command line passes; ``aliases``: more flags for it (vLLM's ``-tp``)."""
-    metadata: dict[str, Any] = {"help": help, "aliases": aliases}
+    the type the command line passes; ``aliases``: more flags for it (vLLM's ``-tp``);
+    ``nargs``: the flag takes several values (argparse's)."""
+    metadata: dict[str, Any] = {"help": help, "aliases": aliases, "nargs": nargs}
     if flag_type is not None:
         metadata["flag_type"] = flag_type
     return field(default=default, metadata=metadata)
@@ -168,8 +169,9 @@ class LoadConfig:
     enforce_eager: bool = setting(
         False, "CUDA: run every step eagerly; otherwise decode-only steps replay CUDA graphs "
                "captured at start per batch-size bucket (no effect on CPU)")
-    served_model_name: str | None = setting(None, "model name in the API (default: the "
-                                                  "model path)")
+    served_model_name: str | tuple[str, ...] | None = setting(
+        None, "model name in the API (default: the model path); several (vLLM's): the "
+              "answers carry the first, requests may name any", flag_type=str, nargs="+")
     generation_config: str = setting(
         "auto", "auto: the sampling defaults of an HF folder's generation_config.json "
                 "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as "
@@ -177,6 +179,12 @@ class LoadConfig:
                 "engine's own (temperature 1, no top-k/top-p/min-p)")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, list | tuple):  # (several, from the command line or a list)
+            object.__setattr__(self, "served_model_name", tuple(names))
+        _require(names is None or (isinstance(names, str) and names != "") or (
+            bool(names) and all(isinstance(n, str) and n for n in names)),
+            "served_model_name", "a name or a list of names", names)
         _require(self.generation_config in ("auto", "vllm"), "generation_config",
                  "auto or vllm", self.generation_config)
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",

@@ -61,7 +61,9 @@ def add_dataclass_flags(group: Any, cls: type, helps: dict[str, str] | None = No
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
-            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text)
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text,
+                               **({"nargs": f.metadata["nargs"]}
+                                  if f.metadata.get("nargs") else {}))
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:

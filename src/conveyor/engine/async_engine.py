@@ -172,6 +172,11 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every served name (--served-model-name): requests may give any."""
+        return self.engine.model_names
+
+    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 

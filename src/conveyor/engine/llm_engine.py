@@ -120,7 +120,10 @@ class LLMEngine:
         if self.tokenizer is not None:  # the model's too: generation_config.json lists Llama
             # 3's <|eot_id|> beside the tokenizer's <|end_of_text|> (vLLM stops on both)
             self.tokenizer.add_eos_token_ids(self.model_config.eos_token_ids)
-        self.model_name = args.served_model_name or served_name(args.model, checkpoint.path)
+        names = args.served_model_name or served_name(args.model, checkpoint.path)
+        # The names requests may give; the first is the one answers carry
+        self.model_names: tuple[str, ...] = (names,) if isinstance(names, str) else names
+        self.model_name = self.model_names[0]
         self.default_sampling = _default_sampling(checkpoint, args.generation_config)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)

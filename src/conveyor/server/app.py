@@ -305,14 +305,14 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
+                               for name in engine.model_names])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard)
     async def model(model: str) -> ModelCard:
         """OpenAI's `models.retrieve`: the served model's card, else a 404."""
         check_model(state, model)
-        return ModelCard(id=state.model_name, max_model_len=engine.max_model_len)
+        return ModelCard(id=model, max_model_len=engine.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:

@@ -61,7 +61,7 @@ class ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.engine.model_names:
         raise APIError(HTTPStatus.NOT_FOUND,
                        f"The model `{model}` does not exist. This server serves "
                        f"`{state.model_name}`.", "invalid_request_error", param="model",
