@@ -460,3 +460,24 @@ def test_thinking_tags_marked_special_are_read(tmp_path_factory, tiny_tokenizer)
     finally:
         assert server.stop() == 0, server.log_tail()
         server.remove_log()
+
+
+def test_a_streams_usage_counts_the_thinking_of_its_whole_output() -> None:
+    """A stream's outputs are deltas: the thinking tokens are counted on what the choice
+    streamed in all (they were counted on the last delta alone)."""
+    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.server.output_plan import OutputPlan
+
+    end = 9
+    plan = OutputPlan(None, None, None, reasoning=OPEN, reasoning_end_id=end)
+    deltas = [CompletionOutput(0, "a b", [5, 6]), CompletionOutput(0, " c", [7]),
+              CompletionOutput(0, "</think>Hi", [end, 8], finish_reason="stop")]
+    stream = plan.choice_stream()
+    for delta in deltas:
+        stream.next_chunk(delta, 0)
+    last = RequestOutput("r", None, [1, 2], [deltas[-1]], True,
+                         RequestMetrics(0.0, num_generation_tokens=5))
+    counted = plan.usage(last, [(stream.token_ids, stream.output_text)])
+    assert counted.completion_tokens_details is not None
+    assert counted.completion_tokens_details.reasoning_tokens == 4  # a, b, c and </think>
+    assert plan.reasoning_tokens([5, 6, 7, end, 8], "a b c</think>Hi") == 4

@@ -390,7 +390,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     final = await unless_disconnected(raw, collect(streams[0]), streams)
     choices = [_choice(c, num_top, plan) for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=plan.usage(final),
+                                  usage=plan.usage(final, [(c.token_ids, c.text)
+                                                           for c in final.outputs]),
                                   prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
 
 
@@ -411,8 +412,11 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
     created = int(time.time())
     choices: dict[int, ChoiceStream] = {}
 
+    def whole() -> list[tuple[list[int], str]]:  # each choice's output so far
+        return [(c.token_ids, c.output_text) for c in choices.values()]
+
     def chunk(choice: ChatChunkChoice) -> str:
-        so_far = plan.usage(final) if continuous and final is not None else None
+        so_far = plan.usage(final, whole()) if continuous and final is not None else None
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                        choices=[choice], usage=so_far).model_dump_json())
 
@@ -429,6 +433,7 @@ async def _stream(state: ServerState, request_id: str, stream: RequestStream, nu
                 yield chunk(choice)
     if include_usage and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
-                                      choices=[], usage=plan.usage(final)).model_dump_json())
+                                      choices=[], usage=plan.usage(final, whole())
+                                      ).model_dump_json())
     if final is not None and (failures := sse_failures([final])):
         yield failures

@@ -6,7 +6,7 @@ thinking, content and tool calls, whole (``OutputPlan.parse``) or streamed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.outputs import CompletionOutput, RequestOutput, joined
@@ -55,24 +55,24 @@ class OutputPlan:
             content = None  # the model thought and never answered (cut by max_tokens)
         return (thinking if self.include_reasoning else None), content, calls
 
-    def reasoning_tokens(self, c: CompletionOutput) -> int:
-        """The output's thinking tokens (its tags included): up to the end tag, or all of
-        them while the thinking goes on."""
+    def reasoning_tokens(self, token_ids: list[int], text: str) -> int:
+        """A whole output's thinking tokens (its tags included): up to the end tag, or all
+        of them while the thinking goes on."""
         if self.reasoning is None:
             return 0
-        ids = c.token_ids
-        if self.reasoning_end_id in ids:
-            return ids.index(self.reasoning_end_id) + 1
-        thinking, answer = reasoning.split(self.reasoning, c.text)
-        return len(ids) if thinking is not None and not answer else 0
+        if self.reasoning_end_id in token_ids:
+            return token_ids.index(self.reasoning_end_id) + 1
+        thinking, answer = reasoning.split(self.reasoning, text)
+        return len(token_ids) if thinking is not None and not answer else 0
 
-    def usage(self, final: RequestOutput) -> Usage:
+    def usage(self, final: RequestOutput, outputs: list[tuple[list[int], str]]) -> Usage:
         """The request's usage, with its thinking tokens where the server reads thinking
-        and can count them (the end tag is a token)."""
+        and can count them (the end tag is a token); ``outputs``: each choice's whole token
+        ids and text (a stream's outputs are deltas)."""
         counted = usage([final])
         if self.reasoning is not None and self.reasoning_end_id is not None:
             counted.completion_tokens_details = CompletionTokensDetails(
-                reasoning_tokens=sum(self.reasoning_tokens(c) for c in final.outputs))
+                reasoning_tokens=sum(self.reasoning_tokens(ids, text) for ids, text in outputs))
         return counted
 
     def choice_stream(self) -> ChoiceStream:
@@ -102,6 +102,8 @@ class ChoiceStream:
     thinking: reasoning.ReasoningStream | None = None  # None: no reasoning parser
     include_reasoning: bool = True
     text: str = ""  # the answer so far (the tool-call parser reads it whole)
+    token_ids: list[int] = field(default_factory=list)  # the whole output's so far, and
+    output_text: str = ""  # its text (the usage counts the thinking's tokens in them)
     held: CompletionOutput | None = None  # a delta not sent (no text yet): its logprobs wait
     made_calls: bool = False
     done: bool = False
@@ -111,6 +113,8 @@ class ChoiceStream:
         to send."""
         if self.done:
             return None
+        self.token_ids += c.token_ids
+        self.output_text += c.text
         finished = c.finish_reason is not None
         thought, delta = self.thinking.update(c.text, finished) if self.thinking is not None \
             else ("", c.text)

@@ -34,7 +34,7 @@ from conveyor.server.common import (
     unless_disconnected,
 )
 from conveyor.server.errors import bad_request, request_id_of, to_api_error
-from conveyor.server.output_plan import OutputPlan
+from conveyor.server.output_plan import ChoiceStream, OutputPlan
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     DeltaToolCall,
@@ -74,7 +74,9 @@ async def create_response(state: ServerState, req: ResponsesRequest,
         events = _ResponseEvents(echo, chat.plan)
         return EngineStreamingResponse(events.sse(streams[0], request_id_of(raw)), streams)
     final = await unless_disconnected(raw, collect(streams[0]), streams)
-    return _finished(echo, final, _output_items(final, chat), chat.plan)
+    c = final.outputs[0]
+    return _finished(echo, final, _output_items(final, chat),
+                     chat.plan.reasoning_tokens(c.token_ids, c.text))
 
 
 def _check_supported(req: ResponsesRequest) -> None:
@@ -244,7 +246,7 @@ def _item_id(prefix: str) -> str:
 
 
 def _finished(echo: ResponseObject, final: RequestOutput, output: list[ResponseOutputItem],
-              plan: OutputPlan) -> ResponseObject:
+              reasoning_tokens: int) -> ResponseObject:
     """The response once its request ended: status, usage, why it is incomplete or failed."""
     c = final.outputs[0]
     prompt, generated = len(final.prompt_token_ids), final.metrics.num_generation_tokens
@@ -253,7 +255,7 @@ def _finished(echo: ResponseObject, final: RequestOutput, output: list[ResponseO
                           input_tokens_details=ResponseInputTokensDetails(
                               cached_tokens=final.num_cached_tokens),
                           output_tokens_details=ResponseOutputTokensDetails(
-                              reasoning_tokens=plan.reasoning_tokens(c)))
+                              reasoning_tokens=reasoning_tokens))
     update: dict[str, Any] = {"status": "completed", "output": output, "usage": usage}
     if c.finish_reason == "length":
         update.update(status="incomplete",
@@ -276,6 +278,7 @@ class _ResponseEvents:
     text: str = ""  # its text so far
     calls: dict[int, ResponseFunctionCall] = field(default_factory=dict)  # by the call's index
     open_call: ResponseFunctionCall | None = None  # the call being written
+    choice: ChoiceStream | None = None  # what the output has streamed (its whole text)
 
     def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence,  # (the keys of a whole body)
@@ -290,7 +293,7 @@ class _ResponseEvents:
         yield self.event("response.in_progress", response=self.echo)
         try:
             final = None
-            choice = self.plan.choice_stream()
+            choice = self.choice = self.plan.choice_stream()
             async for output in stream:
                 final = output
                 for c in output.outputs:
@@ -402,7 +405,9 @@ class _ResponseEvents:
             yield from self._close_items(status)  # no answer at all (thinking, perhaps): an
             yield from self._open_text("message")  # empty message, as a whole answer has
         yield from self._close_items(status)
-        response = _finished(self.echo, final, self.items, self.plan)
+        streamed = self.choice
+        response = _finished(self.echo, final, self.items, self.plan.reasoning_tokens(
+            streamed.token_ids, streamed.output_text) if streamed is not None else 0)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete",
                 "failed": "response.failed"}[response.status]
         yield self.event(kind, response=response)
