@@ -123,3 +123,16 @@ def test_building_the_parser_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_served_model_names_do_not_swallow_the_model(tmp_path: Path) -> None:
+    """--served-model-name takes several names (vLLM's): a model path given after it would
+    be taken for a name, and the default model served instead; that is an error."""
+    from conveyor.server.cli import server_engine_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--served-model-name", "foo", str(tmp_path)])
+    with pytest.raises(ValueError, match="give the model first"):
+        server_engine_args(args)
+    named = parser.parse_args(["serve", str(tmp_path), "--served-model-name", "foo", "bar"])
+    assert server_engine_args(named).served_model_name == ("foo", "bar")

@@ -417,13 +417,19 @@ def test_a_thinking_budget_over_http(thinking_server, server) -> None:
                                               max_tokens=5, reasoning_effort=effort)
         thought = getattr(chat.choices[0].message, "reasoning", None)
         assert (thought is None) == (effort == "none"), (effort, chat)
+    # /tokenize counts what the chat renders, reasoning_effort included
+    counted_prompt = httpx.post(thinking_server.base_url + "/tokenize", json={
+        "messages": ASK, "reasoning_effort": "none"}).json()["count"]
+    none_chat = client.chat.completions.create(model=thinking_server.model, messages=ASK,
+                                               max_tokens=1, reasoning_effort="none")
+    assert counted_prompt == none_chat.usage.prompt_tokens  # type: ignore[union-attr]
     plain_response = client.responses.create(model=thinking_server.model, input="hi",
                                              max_output_tokens=5, reasoning={"effort": "none"})
     assert [item.type for item in plain_response.output] == ["message"]
     with pytest.raises(openai.BadRequestError) as bad_effort:
         client.responses.create(model=thinking_server.model, input="hi",
                                 reasoning={"effort": "enormous"})  # type: ignore[typeddict-item]
-    assert bad_effort.value.body["param"] == "reasoning"  # type: ignore[index]
+    assert bad_effort.value.body["param"] == "reasoning.effort"  # type: ignore[index]
     off = messages.create(model="any", max_tokens=5, messages=ASK,
                           thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["text"]  # the prompt closed the thinking

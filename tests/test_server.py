@@ -535,6 +535,7 @@ def test_several_served_model_names() -> None:
         other = httpx.post(server.base_url + "/v1/completions", json={
             "model": "third", "prompt": "Hi", "max_tokens": 2})
         assert other.status_code == 404
+        assert "`first-name`, `second-name`" in other.json()["error"]["message"]
     finally:
         assert server.stop() == 0, server.log_tail()
         server.remove_log()

@@ -308,8 +308,8 @@ def test_sentencepiece_tokens_keep_their_leading_space() -> None:
     the space, as the decoder does for a text's first word)."""
     from conveyor.tokenizer.tokenizer import _sentencepiece_model
 
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "a", "b",
-              "▁a", "▁b"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁▁", "▁", "a",
+              "b", "▁a", "▁b"]  # ("▁▁" decodes to spaces either way: not the test word)
     backend = _sentencepiece_model(tokens, [0.0] * len(tokens), None, 0, True)
     spm = Tokenizer(backend, bos_token_id=1, eos_token_ids=[2])
     output = spm.encode("a b b🐦", add_special_tokens=False)[1:]  # (after the "▁a")

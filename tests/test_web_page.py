@@ -347,24 +347,26 @@ def test_firefox_streams_an_answer_and_shows_the_burst(server: ServerProcess,
         assert metric_value(metrics, "conveyor:kv_cache_usage_perc") == 0
 
 
-def test_the_thinking_shows_above_the_answer(tmp_path: Any) -> None:
+def test_the_thinking_shows_above_the_answer(page: Any, server: ServerProcess,
+                                             tmp_path: Any) -> None:
     """A reasoning model's thinking (here the default model's words, as a template that
     opens <think> makes them: the parser reads all of them as thinking) streams into the
-    answer's thinking line, not its text, and is kept on reload."""
+    answer's thinking line, not its text, and is kept on reload. (The module's page, one
+    browser a process, visits a second server, then comes back.)"""
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
                 "\n<think>\n{% endif %}")
-    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
-                          "--reasoning-parser", "deepseek_r1", "--chat-template", template)
+    thinking = start_server("--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                            "--reasoning-parser", "deepseek_r1", "--chat-template", template)
     try:
-        expected = httpx.post(server.base_url + "/v1/chat/completions", json={
+        expected = httpx.post(thinking.base_url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
             "max_tokens": 12}).json()["choices"][0]["message"]
         assert expected["reasoning"] and expected["content"] is None, expected
-        with browser_page() as page, screenshot_on_failure(page, tmp_path, "thinking"):
-            page.goto(server.base_url + "/")
+        with screenshot_on_failure(page, tmp_path, "thinking"):
+            page.goto(thinking.base_url + "/")
             page.wait_for_function("m => document.getElementById('model').textContent === m",
-                                   arg=server.model)
+                                   arg=thinking.model)
             ask(page, QUESTION, 12)
             page.wait_for_function(f"() => document.querySelector('{LAST_ANSWER} .stats')"
                                    "?.textContent.includes('tokens')")
@@ -375,7 +377,10 @@ def test_the_thinking_shows_above_the_answer(tmp_path: Any) -> None:
             page.wait_for_selector(LAST_ANSWER)
             assert page.inner_text(f"{LAST_ANSWER} .thinking").strip() == \
                 expected["reasoning"].strip()
-        wait_idle(server)
+        wait_idle(thinking)
     finally:
-        assert server.stop() == 0, server.log_tail()
-        server.remove_log()
+        page.goto(server.base_url + "/")
+        page.wait_for_function("m => document.getElementById('model').textContent === m",
+                               arg=server.model)
+        assert thinking.stop() == 0, thinking.log_tail()
+        thinking.remove_log()

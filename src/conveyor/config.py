@@ -181,8 +181,9 @@ class LoadConfig:
     def __post_init__(self) -> None:
         names = self.served_model_name
         if isinstance(names, list | tuple):  # (several, from the command line or a list)
-            object.__setattr__(self, "served_model_name", tuple(names))
-        _require(names is None or (isinstance(names, str) and names != "") or (
+            names = tuple(dict.fromkeys(names))  # (each once, in order)
+        object.__setattr__(self, "served_model_name", names or None)  # "": the default
+        _require(names is None or isinstance(names, str) or (
             bool(names) and all(isinstance(n, str) and n for n in names)),
             "served_model_name", "a name or a list of names", names)
         _require(self.generation_config in ("auto", "vllm"), "generation_config",

@@ -21,7 +21,12 @@ import conveyor
 from conveyor.engine.async_engine import AsyncEngine, StepListener
 from conveyor.engine.stats import EngineStats
 from conveyor.outputs import RequestOutput
-from conveyor.server.chat import create_chat_completion, render_prompt, template_flags
+from conveyor.server.chat import (
+    create_chat_completion,
+    render_prompt,
+    template_flags,
+    template_kwargs,
+)
 from conveyor.server.common import ServerState, check_model
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
@@ -252,7 +257,7 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeRespons
             req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await asyncio.to_thread(render_prompt, state, req.messages,
-                                      add_generation_prompt, req.chat_template_kwargs, tools,
+                                      add_generation_prompt, template_kwargs(req), tools,
                                       continue_final_message)
     elif engine.tokenizer is None:
         raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", param="prompt")

@@ -54,6 +54,7 @@ from conveyor.server.protocol import (
     DeltaMessage,
     FunctionCall,
     NamedToolChoice,
+    TokenizeRequest,
     ToolCall,
 )
 from conveyor.server.structured import Constraint, check_constraint, request_constraint
@@ -236,7 +237,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     plan = plan_tools(state, req)
     constraint = _constraint(req, plan)
     ids, text = await asyncio.to_thread(render_conversation, state, req.messages,
-                                        add_generation_prompt, _template_kwargs(req),
+                                        add_generation_prompt, template_kwargs(req),
                                         plan.tools, continue_final_message)
     prefill = template_messages(req.messages[-1:])[0].get("content") or "" \
         if continue_final_message else None
@@ -258,8 +259,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     return PreparedChat(ids, params, plan)
 
 
-def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs, after what reasoning_effort says (theirs win)."""
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """chat_template_kwargs, after what reasoning_effort says (theirs win); /tokenize and
+    /v1/messages/count_tokens render with the same, so their counts are the chat's."""
     effort = req.reasoning_effort
     kwargs: dict[str, Any] = {"reasoning_effort": effort} if effort else {}
     if effort == "none":
@@ -354,8 +356,10 @@ def chat_request_of(body: dict[str, Any], names: dict[str, str]) -> ChatCompleti
     except ValidationError as e:
         error = e.errors()[0]
         loc = [str(x) for x in error.get("loc", ())]
-        param = names.get(loc[0], loc[0]) if loc else None
-        raise bad_request(f"{'.'.join(loc)}: {error.get('msg')}", param) from None
+        if loc:  # the caller's name for the field
+            loc[0] = names.get(loc[0], loc[0])
+        raise bad_request(f"{'.'.join(loc)}: {error.get('msg')}", loc[0] if loc else None) \
+            from None
 
 
 async def prepare_chat_as(state: ServerState, req: ChatCompletionRequest,

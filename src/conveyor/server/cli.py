@@ -78,6 +78,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def server_engine_args(args: argparse.Namespace) -> EngineArgs:
     """The flags as EngineArgs, with the server's token budget unless one is given."""
     tag = getattr(args, "model_tag", None)
+    names = args.served_model_name
+    if tag is None and args.model is None and isinstance(names, list) and len(names) > 1 \
+            and os.path.exists(names[-1]):
+        raise ValueError(f"--served-model-name took {names[-1]!r}, which is a path: give "
+                         "the model first (conveyor serve MODEL --served-model-name NAME)")
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")

@@ -61,11 +61,12 @@ class ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.engine.model_names:
+    names = state.engine.model_names
+    if model is not None and model not in names:
         raise APIError(HTTPStatus.NOT_FOUND,
                        f"The model `{model}` does not exist. This server serves "
-                       f"`{state.model_name}`.", "invalid_request_error", param="model",
-                       code="model_not_found")
+                       f"{', '.join(f'`{n}`' for n in names)}.", "invalid_request_error",
+                       param="model", code="model_not_found")
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,

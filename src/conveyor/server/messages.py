@@ -30,6 +30,7 @@ from conveyor.server.chat import (
     chat_request_of,
     prepare_chat_as,
     render_prompt,
+    template_kwargs,
 )
 from conveyor.server.common import (
     EngineStreamingResponse,
@@ -113,7 +114,7 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> CountToke
     tools = [t.model_dump(exclude_none=True) for t in chat_req.tools] if chat_req.tools \
         else None
     ids = await asyncio.to_thread(render_prompt, state, chat_req.messages,
-                                  chat_req.add_generation_prompt, chat_req.chat_template_kwargs,
+                                  chat_req.add_generation_prompt, template_kwargs(chat_req),
                                   tools, chat_req.continue_final_message)
     return CountTokensResponse(input_tokens=len(ids))
 

@@ -268,6 +268,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     return_token_strs: bool = False  # vLLM's: each token as the vocabulary writes it
 
 

@@ -57,7 +57,7 @@ from conveyor.server.protocol import (
 # A chat field's errors, named as the Responses request names what it came from.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice",
-           "reasoning_effort": "reasoning"}
+           "reasoning_effort": "reasoning.effort"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 

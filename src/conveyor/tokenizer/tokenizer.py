@@ -316,7 +316,8 @@ class Tokenizer:
         """A token to decode before another when the decoder strips a leading space (a
         sentencepiece vocabulary with add_space_prefix); None when it does not."""
         vocab = self._tok.get_vocab(with_added_tokens=False)
-        word = next((t for t in vocab if t.startswith("▁") and len(t) > 1), None)
+        word = next((t for t in sorted(vocab) if t.startswith("▁") and t[1:2].isalnum()),
+                    None)  # (a word: "▁▁" decodes to spaces whether or not one is stripped)
         if word is None or self.decode([vocab[word]]).startswith(" "):
             return None
         return next((i for t, i in sorted(vocab.items()) if len(t) == 1 and t.isalpha()), None)
