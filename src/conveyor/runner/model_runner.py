@@ -321,7 +321,7 @@ class ModelRunner:
                      samplers: list[ScheduledRequest]) -> None:
         """The grammar masks on every row of a constrained request (a verify: 1 + drafts)."""
         constrained, bitmask = masks
-        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
+        first = _first_rows(samplers)
         apply_token_bitmask(logits, bitmask.result(),
                             [r for i in constrained for r in range(first[i], first[i + 1])])
 
@@ -336,9 +336,9 @@ class ModelRunner:
                   and not state.output_token_ids]
         if not wanted:
             return None
-        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers])
+        first = _first_rows(samplers)
         vectors = torch.nn.functional.normalize(
-            hidden[self._upload([int(first[i]) for i, _ in wanted])].float(), dim=-1)
+            hidden[self._upload([first[i] for i, _ in wanted])].float(), dim=-1)
         if vectors.device.type == "cuda":  # pinned: the copy runs behind the sampling
             vectors = torch.empty(vectors.shape, pin_memory=True).copy_(vectors,
                                                                         non_blocking=True)
@@ -590,6 +590,12 @@ class ModelRunner:
     def _upload(self, host: np.ndarray | list[int]) -> torch.Tensor:
         """Host integers as an int64 tensor on the device (``transfer.upload``)."""
         return upload(host, self.device, torch.int64)
+
+
+def _first_rows(samplers: list[ScheduledRequest]) -> list[int]:
+    """Where each sampling request's rows begin among the step's sampled rows (1 + its
+    drafts each), and where they end: one more offset than requests."""
+    return np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in samplers]).tolist()
 
 
 def _answer_is_free(params: SamplingParams, matcher: LLMatcher) -> bool:

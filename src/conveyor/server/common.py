@@ -142,6 +142,39 @@ def stream_usage(req: _SamplingFields) -> bool:
     return req.stream and req.stream_options is not None and req.stream_options.include_usage
 
 
+PromptInput = str | list[int]
+
+
+def prompt_list(value: str | list[str] | list[int] | list[list[int]], param: str,
+                limit: int, noun: str) -> list[PromptInput]:
+    """One prompt or several, text or token ids, as OpenAI's `prompt` and `input` take
+    them; a 400 naming ``param`` for none, or more than ``limit`` (``noun``: what they are)."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty", param)
+    if isinstance(value[0], int):
+        return [list(value)]  # type: ignore[arg-type]
+    prompts: list[PromptInput] = list(value)  # type: ignore[arg-type]
+    if len(prompts) > limit:
+        raise bad_request(f"{param} may hold at most {limit} {noun}, got {len(prompts)}",
+                          param)
+    return prompts
+
+
+async def tokenize_prompts(state: ServerState, prompts: list[PromptInput], field: str
+                           ) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) of each prompt, off the event loop; all are checked before any is
+    tokenized (see check_prompt_chars). ValueError naming ``field``."""
+    engine = state.engine
+    for p in prompts:
+        if isinstance(p, str):
+            engine.check_prompt_chars(p, field)
+        else:  # (the engine would name its own argument, prompt_token_ids)
+            engine.check_token_ids(p, field)
+    return await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in prompts])
+
+
 def check_context(state: ServerState, num_input_tokens: int, max_tokens: int | None,
                   prompt_param: str, max_tokens_param: str = "max_tokens",
                   whole_context: bool = False) -> None:

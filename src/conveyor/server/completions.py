@@ -26,11 +26,13 @@ from conveyor.server.common import (
     continuous_usage,
     merged,
     on_stream_error,
+    prompt_list,
     sampling_params,
     sse,
     sse_failures,
     stream_usage,
     submit,
+    tokenize_prompts,
     unless_disconnected,
     usage,
 )
@@ -43,22 +45,6 @@ from conveyor.server.protocol import (
     CompletionResponse,
 )
 from conveyor.server.structured import check_constraint, request_constraint
-
-PromptInput = str | list[int]
-
-
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    prompts: list[PromptInput] = list(prompt)  # type: ignore[arg-type]
-    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
-        raise bad_request(f"prompt may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got "
-                          f"{len(prompts)}", "prompt")
-    return prompts
 
 
 def _check_unsupported(req: CompletionRequest) -> None:
@@ -89,7 +75,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
     check_model(state, req.model)
     _check_unsupported(req)
     include_usage = stream_usage(req)
-    prompts = _prompt_list(req.prompt)
+    prompts = prompt_list(req.prompt, "prompt", MAX_PROMPTS_PER_REQUEST, "prompts")
     constraint = request_constraint(req)
     echo_only = req.echo and req.max_tokens == 0
     params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
@@ -103,12 +89,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, request_id: str) 
         raise bad_request(f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} "
                           f"sequences (prompts x n), got {len(prompts)} x {params.n}", "n")
     engine = state.engine
-    for p in prompts:  # all of them before tokenizing any (see check_prompt_chars)
-        if isinstance(p, str):
-            engine.check_prompt_chars(p, "prompt")
-        else:  # (the engine would name its own argument, prompt_token_ids)
-            engine.check_token_ids(p, "prompt")
-    encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in prompts])
+    encoded = await tokenize_prompts(state, prompts, "prompt")
     for _, ids in encoded:
         check_context(state, len(ids), req.max_tokens, "prompt")
     echo = [""] * len(encoded)

@@ -14,12 +14,15 @@ from fastapi import Request
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import EMBEDDING_PARAMS
 from conveyor.server.common import (
+    PromptInput,
     ServerState,
     bad_request,
     check_context,
     check_model,
     collect,
+    prompt_list,
     submit,
+    tokenize_prompts,
     unless_disconnected,
 )
 from conveyor.server.errors import APIError, request_id_of
@@ -41,16 +44,10 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest,
     if req.dimensions is not None and not 1 <= req.dimensions <= state.engine.hidden_size:
         raise bad_request(f"dimensions must be in [1, {state.engine.hidden_size}] (this "
                           f"model's embedding size), got {req.dimensions}", "dimensions")
-    engine = state.engine
     try:
-        for item in inputs:  # all of them before tokenizing any
-            if isinstance(item, str):
-                engine.check_prompt_chars(item, "input")
-            else:
-                engine.check_token_ids(item, "input")
+        encoded = await tokenize_prompts(state, inputs, "input")
     except ValueError as e:
         raise bad_request(str(e), "input") from None
-    encoded = await asyncio.to_thread(lambda: [engine.tokenize_prompt(p) for p in inputs])
     prompts = [ids for _, ids in encoded]
     for ids in prompts:
         check_context(state, len(ids), None, "input", whole_context=True)
@@ -75,20 +72,9 @@ def _embedding(final: RequestOutput) -> list[float]:
     return final.embedding
 
 
-def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The inputs one by one (400 when empty, as OpenAI's)."""
-    items: list[str | list[int]]
-    if isinstance(value, str):
-        items = [value]
-    elif value and isinstance(value[0], int):
-        items = [list(value)]  # type: ignore[arg-type]
-    else:
-        items = list(value)  # type: ignore[arg-type]
-    if not items:
-        raise bad_request("input must not be empty", "input")
-    if len(items) > MAX_INPUTS:
-        raise bad_request(f"input may hold at most {MAX_INPUTS} inputs, got {len(items)}",
-                          "input")
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
+    """The inputs one by one (400 when none, or one is empty, as OpenAI's)."""
+    items = prompt_list(value, "input", MAX_INPUTS, "inputs")
     for i, item in enumerate(items):
         if len(item) == 0:
             raise bad_request(f"input[{i}] must not be empty", "input")
