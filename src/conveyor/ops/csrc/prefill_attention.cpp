@@ -101,17 +101,22 @@ struct QueryRows {
 
 #ifdef CONVEYOR_AMX
 // Scores of the 16 rows against key group kb with tiles (Q in tile 0, K^T in 1, the sums in
-// tile Acc: 2 in prefill_core's configuration, 4 in decode's): s[i * width + kb * 16 + j].
-template <int Acc>
-void scores_tiles(const QueryRows& t, int64_t kb, float* s, int64_t width) {
-  _tile_zero(Acc);
-  for (int64_t c = 0; c < t.d / 32; ++c) {
-    _tile_loadd(0, t.qbuf + c * 32, t.d * 2);
-    _tile_loadd(1, t.kt[kb] + c * t.part, 64);
-    _tile_dpbf16ps(Acc, 0, 1);
+// tile acc: 2 in prefill_core's configuration, 4 in decode's): s[i * width + kb * 16 + j].
+// GCC's tile intrinsics are macros that paste the tile number into the instruction, so the
+// accumulator is a literal (a template argument does not assemble): one function per tile.
+#define CONVEYOR_SCORES_TILES(name, acc)                                        \
+  void name(const QueryRows& t, int64_t kb, float* s, int64_t width) {          \
+    _tile_zero(acc);                                                            \
+    for (int64_t c = 0; c < t.d / 32; ++c) {                                    \
+      _tile_loadd(0, t.qbuf + c * 32, t.d * 2);                                 \
+      _tile_loadd(1, t.kt[kb] + c * t.part, 64);                                \
+      _tile_dpbf16ps(acc, 0, 1);                                                \
+    }                                                                           \
+    _tile_stored(acc, s + kb * 16, width * 4);                                  \
   }
-  _tile_stored(Acc, s + kb * 16, width * 4);
-}
+CONVEYOR_SCORES_TILES(scores_tiles_prefill, 2)
+CONVEYOR_SCORES_TILES(scores_tiles_decode, 4)
+#undef CONVEYOR_SCORES_TILES
 #endif
 
 // Without AMX: scores of rows [r0, r0 + R) against key groups [kb, kb + NG), s[i * width +
@@ -349,7 +354,7 @@ void prefill_core(const at::Tensor& q, at::Tensor& out, int64_t offset, int64_t 
       const QueryRows r{qbuf, rows, kt.data(), nullptr, d, c_stride};
 #ifdef CONVEYOR_AMX
       if (tiles)
-        for (int64_t kb = 0; kb < groups; ++kb) scores_tiles<2>(r, kb, s.data(), width);
+        for (int64_t kb = 0; kb < groups; ++kb) scores_tiles_prefill(r, kb, s.data(), width);
       else
 #endif
         scores_dp_all(r, groups, s.data(), width);  // S = Q K^T
@@ -543,7 +548,7 @@ void attend_tiles(const QueryRows& t, const int64_t* visible, float scale, float
         _mm_prefetch(reinterpret_cast<const char*>(kt[kb + 1]) + byte, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vt[kb + 1]) + byte, _MM_HINT_T1);
       }
-    scores_tiles<4>(t, kb, s, width);
+    scores_tiles_decode(t, kb, s, width);
   }
   float sums[16];
   for (int64_t i = 0; i < rows; ++i)  // rows past `rows` keep finite scratch; nobody reads them
