@@ -47,11 +47,12 @@ class PackedLinear(nn.Module):
       row count at its first call, ``linear`` in ``csrc/cpu_ops.cpp``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 amx_matmuls: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.dot = dot_matmuls(weight)
+        self.dot = dot_matmuls(weight, amx_matmuls)
         self.kernels = self.dot or cpu_kernels.load_cpu_kernels()
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
@@ -70,8 +71,8 @@ class PackedLinear(nn.Module):
         self.int8_inputs = False  # the blocks are pack_vnni_blocks': inputs quantized to int8
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, amx_matmuls: bool = True) -> PackedLinear:
+        return cls(linear.weight, linear.bias, amx_matmuls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:  # C++ picks the kernel, the weight's form and how to split rows
@@ -115,8 +116,9 @@ class PackedLinear(nn.Module):
         type, blocks). Parts of one type are one weight; Q4_K and Q6_K parts (a Q4_K_M file's
         q, k and v) are read by the dot kernels, repacked to records of one kind."""
         types = {qtype for qtype, _ in parts}
+        # (self.dot: the dot kernels run here, whether or not the CPU has AMX)
         int8 = (self.dot and int8_activations and self.dtype == torch.bfloat16
-                and cpu_kernels.vnni_blocks_available())
+                and cpu_kernels.vnni_blocks_available(amx_matmuls=False))
         if not self.dot and self.dtype != torch.bfloat16:  # the AMX kernels are bf16 only
             return False
         if types & set(K_QUANTS) and not self.dot:
@@ -160,13 +162,13 @@ class PackedLinear(nn.Module):
         return True
 
 
-def dot_matmuls(weight: torch.Tensor) -> bool:
+def dot_matmuls(weight: torch.Tensor, amx_matmuls: bool = True) -> bool:
     """Whether this weight's matmuls run the dot kernels (``ops.dot_linear``, one kernel for
     every batch size):
 
     - a bf16 weight with rows a multiple of 16 and an even number of inputs, on a CPU whose
-      kernels were built with AVX512-BF16 and that has no AMX (AMX keeps oneDNN, with which
-      its block kernels agree bit for bit);
+      kernels were built with AVX512-BF16 and that has no AMX, or with ``amx_matmuls`` off
+      (AMX keeps oneDNN, with which its block kernels agree bit for bit);
     - a float32 weight, on a CPU with AVX2 and FMA (``PackedLinear`` pads its rows to a
       multiple of 8).
     """
@@ -176,7 +178,7 @@ def dot_matmuls(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.float32:
         return cpu_kernels.f32_kernels_available()
     return (weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
-            and cpu_kernels.dot_kernels_available())
+            and cpu_kernels.dot_kernels_available(amx_matmuls))
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:

@@ -253,18 +253,20 @@ class CausalLM(nn.Module):
                    else m.weight.numel() * m.weight.element_size()
                    for m in [*self._layer_linears(), head])
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, amx_matmuls: bool = True) -> None:
         """Replace every matmul weight (the LM head included, tied or not) by a copy laid
         out for the CPU's matmul kernel (``PackedLinear``: oneDNN's, pair tiles or lane
-        tiles); call once, after the weights are loaded."""
+        tiles; ``amx_matmuls`` off: pair tiles on AMX CPUs too); call once, after the
+        weights are loaded."""
         for layer in self.layers:
             for owner, name, _ in LAYER_MATMULS:
                 module = getattr(layer, owner)
-                setattr(module, name, PackedLinear.from_linear(getattr(module, name)))
+                setattr(module, name, PackedLinear.from_linear(getattr(module, name),
+                                                               amx_matmuls))
         head = self.lm_head
         assert not isinstance(head, PackedLinear), "already packed"
         self.lm_head = PackedLinear(self.embed_tokens.weight if head is None else head.weight,
-                                    None)
+                                    None, amx_matmuls)
         self._weights_changed()
 
     def use_block_weights(self, blocks: dict[str, tuple[int, torch.Tensor]],
@@ -359,7 +361,8 @@ def _expected_keys(cfg: ModelConfig, params: dict[str, nn.Parameter]) -> set[str
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
                 block_weights: Callable[[], dict[str, tuple[int, torch.Tensor]]] | None = None,
-                tp: TensorParallel | None = None, int8_activations: bool = False) -> CausalLM:
+                tp: TensorParallel | None = None, int8_activations: bool = False,
+                amx_matmuls: bool = True) -> CausalLM:
     """The model with loaded weights, or random ones (``weights=None``: dummy load format).
 
     block_weights: the checkpoint's GGUF blocks (``Checkpoint.block_weights``), for decode
@@ -368,6 +371,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     rank's parts (dummy weights are drawn per rank: they differ from one rank's).
     int8_activations: block matmuls quantize their inputs to int8 where the CPU runs that
     (``PackedLinear.use_blocks``).
+    amx_matmuls: off, bf16 matmuls on an AMX CPU take the dot kernels, as without AMX.
     """
     if tp is not None and tp.plan is not None:
         cfg, seed = tp.plan.local_config, seed + tp.rank
@@ -386,7 +390,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     logger.info("ops backend: %s (%s on %s)", backend.name, dtype, device)
     model.use_backend(backend)
     if can_pack_linears(device, dtype):
-        model.pack_linears()
+        model.pack_linears(amx_matmuls)
         if block_weights is not None:
             used = model.use_block_weights(block_weights(), int8_activations)
             if used:
@@ -419,4 +423,4 @@ def load_model(checkpoint: Checkpoint, args: EngineArgs, device: torch.device,
     blocks = ((lambda: checkpoint.block_weights(plan))
               if args.quantized_matmuls and weights is not None else None)
     return build_model(checkpoint.config, dtype, device, weights, args.seed, blocks, tp,
-                       int8_activations=args.int8_activations)
+                       int8_activations=args.int8_activations, amx_matmuls=args.amx_matmuls)

@@ -197,7 +197,8 @@ class CpuKernelBackend:
             self.quantized_matmuls = cpu_kernels.f32_kernels_available()
         else:
             self.quantized_matmuls = dtype == torch.bfloat16 and (
-                cpu_kernels.amx_available() or cpu_kernels.dot_kernels_available())
+                cpu_kernels.amx_available()
+                or cpu_kernels.dot_kernels_available(amx_matmuls=False))  # either family
         self.prefill_attention_kernel = (dtype == torch.bfloat16
                                          and cpu_kernels.prefill_attention_available())
         # float32 has no prefill attention kernel, and SDPA's blocking makes a query's result

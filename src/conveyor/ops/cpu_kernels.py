@@ -108,20 +108,22 @@ def prefill_attention_available() -> bool:
 
 
 @functools.cache
-def dot_kernels_available() -> bool:
+def dot_kernels_available(amx_matmuls: bool = True) -> bool:
     """Whether bf16 matmuls take the AVX512-BF16 dot kernels (``dot_linear``, one kernel for
-    every batch size): the C++ kernels are built with AVX512-BF16 and the CPU has no AMX,
-    whose own kernels (``quantized_linear`` beside oneDNN) run instead."""
+    every batch size): the C++ kernels are built with AVX512-BF16, and the CPU has no AMX or
+    ``amx_matmuls`` (the engine argument) is off; otherwise AMX's own kernels
+    (``quantized_linear`` beside oneDNN) run."""
     return (load_cpu_kernels() and bool(torch.ops.conveyor.dot_linear_available())
-            and not amx_available())
+            and not (amx_matmuls and amx_available()))
 
 
 @functools.cache
-def vnni_blocks_available() -> bool:
+def vnni_blocks_available(amx_matmuls: bool = True) -> bool:
     """Whether bf16 matmuls on GGUF blocks can quantize their inputs to int8
-    (``pack_vnni_blocks``, ``csrc/vnni_blocks.cpp``): the dot kernels run here and were built
-    with AVX512-VNNI."""
-    return dot_kernels_available() and bool(torch.ops.conveyor.vnni_blocks_available())
+    (``pack_vnni_blocks``, ``csrc/vnni_blocks.cpp``): the dot kernels run here (as
+    ``dot_kernels_available``) and were built with AVX512-VNNI."""
+    return (dot_kernels_available(amx_matmuls)
+            and bool(torch.ops.conveyor.vnni_blocks_available()))
 
 
 @functools.cache

@@ -40,8 +40,8 @@ from conveyor.sim.simulator import ROUTING_POLICIES, simulate
 # (--device is a device preset, --seed seeds the workload as in `bench serve`, --tp replaces
 # --tensor-parallel-size).
 _SKIPPED = ("model", "device", "seed", "tokenizer", "load_format", "served_model_name",
-            "step_trace", "quantized_matmuls", "int8_activations", "kv_cache_memory",
-            "tensor_parallel_size")  # --tp: the simulated devices
+            "step_trace", "quantized_matmuls", "int8_activations", "amx_matmuls",
+            "kv_cache_memory", "tensor_parallel_size")  # --tp: the simulated devices
 DEFAULT_TIMELINE_REQUESTS = 64
 SWEEP_RATE = "request_rate"
 
