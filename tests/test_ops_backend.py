@@ -11,9 +11,21 @@ from pathlib import Path
 import torch
 
 from conveyor import LLM, SamplingParams, ops
+from conveyor.model.layers import PackedLinear, matmul_kernels
 from conveyor.ops.backend import reference_prefill_attention
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "conveyor"
+
+
+def test_the_load_log_names_the_matmul_family_the_weights_took() -> None:
+    """``matmul_kernels`` (the load log's "matmuls:" line) says what ``PackedLinear`` chose,
+    with ``amx_matmuls`` on and off, whatever this CPU (AMX: the tiles, then the dot kernels;
+    Zen 4: the dot kernels either way)."""
+    weight = torch.randn(64, 128).to(torch.bfloat16)
+    for amx in (True, False):
+        text = matmul_kernels(torch.bfloat16, amx)
+        assert text.startswith("the AVX512-BF16 dot kernels") == PackedLinear(weight, None, amx).dot
+        assert text.startswith("AMX tiles") == (amx and ops.amx_available())
 
 
 def test_select_backend_by_device_and_dtype() -> None:

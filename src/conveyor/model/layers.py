@@ -181,6 +181,21 @@ def dot_matmuls(weight: torch.Tensor, amx_matmuls: bool = True) -> bool:
             and cpu_kernels.dot_kernels_available(amx_matmuls))
 
 
+def matmul_kernels(dtype: torch.dtype, amx_matmuls: bool = True) -> str:
+    """The CPU matmul family a model in ``dtype`` takes here, in words (for the load log)."""
+    if dtype == torch.float32 and cpu_kernels.f32_kernels_available():
+        return "the float32 dot kernels"
+    if dtype != torch.bfloat16:
+        return "oneDNN"
+    if cpu_kernels.dot_kernels_available(amx_matmuls):
+        return "the AVX512-BF16 dot kernels" + (
+            " (amx_matmuls off)" if cpu_kernels.amx_available() else "")
+    if cpu_kernels.amx_available():
+        return ("AMX tiles and oneDNN (--no-amx-matmuls: the dot kernels, ~2.3x one "
+                "stream's decode speed, ~0.75x a full batch's)")
+    return "oneDNN"
+
+
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this device's matmuls in this dtype take packed weights: on CPU, with oneDNN,
     whose half-precision packing needs AVX-512 (CPUs with AVX2 only run bf16 and fp16 on

@@ -24,6 +24,7 @@ from conveyor.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     can_pack_linears,
+    matmul_kernels,
     weights_per_block,
 )
 from conveyor.model.parallel import TensorParallel
@@ -391,6 +392,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     model.use_backend(backend)
     if can_pack_linears(device, dtype):
         model.pack_linears(amx_matmuls)
+        logger.info("matmuls: %s", matmul_kernels(dtype, amx_matmuls))
         if block_weights is not None:
             used = model.use_block_weights(block_weights(), int8_activations)
             if used:
