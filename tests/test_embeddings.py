@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from server_fixtures import ServerProcess, openai_client, start_server, wait_idle
+from server_fixtures import (
+    ServerProcess,
+    metric_value,
+    openai_client,
+    start_server,
+    wait_idle,
+)
 
 PROMPTS = ["one two three", "the cat sat on the mat and the dog", "東京 日本語 Привет", "a"]
 
@@ -62,10 +68,26 @@ def server() -> Iterator[ServerProcess]:
     server.remove_log()
 
 
+def _counts(server: ServerProcess) -> dict[str, float]:
+    text = httpx.get(server.base_url + "/metrics").text
+    return {"generated": metric_value(text, "conveyor:generation_tokens_total"),
+            "prompt": metric_value(text, "conveyor:prompt_tokens_total"),
+            "stop": metric_value(text, "conveyor:request_success_total", finished_reason="stop"),
+            "length": metric_value(text, "conveyor:request_success_total",
+                                   finished_reason="length"),
+            "ttft": metric_value(text, "conveyor:time_to_first_token_seconds_count")}
+
+
 def test_the_embeddings_endpoint(server: ServerProcess, hf_default_model) -> None:
     client = openai_client(server)
     texts = ["The capital of France is Paris.", "Paris is in France.", "I like turtles."]
+    before = _counts(server)
     answer = client.embeddings.create(model=server.model, input=texts)  # base64 by default
+    after = _counts(server)
+    # In /metrics an embedding is a request that processed its prompt and generated nothing
+    # (its one sampled token is dropped), ended as stopped (as vLLM's pooling requests).
+    assert {k: after[k] - before[k] for k in after} == {
+        "generated": 0, "prompt": answer.usage.prompt_tokens, "stop": 3, "length": 0, "ttft": 0}
     assert [d.index for d in answer.data] == [0, 1, 2]
     vectors = np.array([d.embedding for d in answer.data])
     ids = [httpx.post(server.base_url + "/tokenize",

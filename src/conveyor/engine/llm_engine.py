@@ -575,8 +575,9 @@ class LLMEngine:
         accepted): text, stop strings (the tokens after one are dropped), logprobs."""
         request = seq.request
         new = seq.new_token_ids()
+        pooled = request.sampling_params.return_embedding  # its one token is dropped
         for i, token in enumerate(new):
-            self.num_generation_tokens += 1
+            self.num_generation_tokens += not pooled
             lp = logprobs[i] if logprobs is not None else None
             if lp is not None:
                 self._name_tokens([lp])
@@ -590,6 +591,8 @@ class LLMEngine:
                     request.status = RequestStatus.FINISHED_STOPPED
                 request.truncate_output(seq.num_tokens_seen)
                 break
+        if pooled and request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED  # done, as vLLM's pooling requests
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
         self._release_pending(group, seq)

@@ -160,7 +160,8 @@ class RequestGroup:
                                if s.request.times.finished is not None), default=None)
             if self.finished else None,
             num_preemptions=sum(s.request.num_preemptions for s in self.sequences),
-            num_generation_tokens=sum(s.request.num_output_tokens for s in self.sequences))
+            num_generation_tokens=0 if self.params.return_embedding  # (its token is dropped)
+            else sum(s.request.num_output_tokens for s in self.sequences))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.output(self.params.output_kind)
