@@ -2,7 +2,7 @@
 # The AMX check, for a session on an Intel Xeon with AMX (most sessions run on AMD Zen 4,
 # without AMX: the AMX code is compiled, by tests/test_kernel_targets.py, but never run there):
 # no regression on the AMX path. Issue 15's check (2026-12-05, docs/benchmarks.md) found the
-# AMX kernels had not built for two days; run this on the first AMX machine a session gets.
+# AMX kernels had not built for 29 hours; run this on the first AMX machine a session gets.
 #   1. the kernel and batch-invariance tests on this CPU (tests.log);
 #   2. the reference workload at this checkout against BASE, the last tree measured on an AMX
 #      Xeon (c4d47e0, 2026-12-05 01:45 UTC), alternating old, new, new, old, new, old, old,
@@ -10,7 +10,7 @@
 #      `conveyor bench offline --max-model-len 2048`, as docs/benchmarks.md's AMX A/B did;
 #   3. the mean output tok/s of each tree and new / old (the claim: about 1.0, within the
 #      runs' own spread), and the decode step / bf16 matmuls ratios (summary.txt).
-# About 5 minutes on 2 cores (two first kernel builds, eight bench runs). Results under OUT.
+# About 6 minutes on 2 cores (the tests, two first kernel builds, eight bench runs). Results under OUT.
 #   bash scripts/amx_check.sh [OUT] [BASE]
 # To try the script on another CPU: AMX_CHECK_ANY_CPU=1 AMX_CHECK_ORDER="old new" (the
 # figures then say nothing about AMX).

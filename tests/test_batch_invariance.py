@@ -144,15 +144,17 @@ def test_a_head_dim_the_prefill_kernel_does_not_take_stays_batch_invariant(tiny_
 def test_the_dot_kernels_keep_outputs_batch_invariant_on_any_cpu(kv_free) -> None:
     """``amx_matmuls=False``: every matmul takes the dot kernels (with int8 inputs where the
     CPU has VNNI), the default family of CPUs without AMX, and on an AMX CPU the one for a
-    single stream's speed. A request's output is the same alone, batched, and chunked."""
+    single stream's speed. A request's output is the same alone, batched (10 at once: decode
+    steps of 8 or more rows split between the threads by request), and chunked."""
     if not ops.dot_kernels_available(amx_matmuls=False):
         pytest.skip("the dot kernels need AVX512-BF16")
     llm = _engine(amx_matmuls=False)
     model = llm.engine.runner.model
     assert all(m.dot and m.blocks is not None for m in [*model._layer_linears(), model.lm_head])
-    alone = [_tokens(llm, [p])[0] for p in PROMPTS]
-    assert _tokens(llm, PROMPTS) == alone
+    prompts = PROMPTS + [f"{p} Once more, in other words." for p in PROMPTS]
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    assert _tokens(llm, prompts) == alone
     chunked = _engine(amx_matmuls=False, max_num_batched_tokens=16, enable_prefix_caching=False)
-    assert _tokens(chunked, PROMPTS) == alone
+    assert _tokens(chunked, prompts) == alone
     kv_free(llm)
     kv_free(chunked)

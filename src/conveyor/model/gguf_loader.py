@@ -226,7 +226,7 @@ def _gguf_part(tensor: Any, part: Slice | None) -> np.ndarray | None:
 
 
 # Block formats the quantized matmuls read in place: GGML type -> bytes per block of 32
-# weights (Q4_K, Q6_K: of 256, read only by the kernels for CPUs without AMX:
+# weights (Q4_K, Q6_K: of 256, read only by the dot kernels, which CPUs without AMX run:
 # model.layers.weights_per_block, K_QUANTS).
 BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
                GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_K: 144,

@@ -30,7 +30,8 @@ def weights_per_block(qtype: int) -> int:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with W laid out once for the CPU's matmul kernel (CPU only).
 
-    - CPUs with AVX512-BF16 but no AMX, bf16 weights: pair tiles for ``ops.dot_linear``
+    - CPUs with AVX512-BF16 but no AMX (or with it and ``amx_matmuls`` off), bf16 weights:
+      pair tiles for ``ops.dot_linear``
       (``csrc/dot_linear.cpp``), one kernel for every batch size, so a row's result never
       depends on the batch; with ``use_blocks`` it reads the weight's GGUF blocks instead, at
       every batch size (``csrc/dot_blocks.cpp``: the exact GGUF weights). float32 weights on
@@ -182,7 +183,9 @@ def dot_matmuls(weight: torch.Tensor, amx_matmuls: bool = True) -> bool:
 
 
 def matmul_kernels(dtype: torch.dtype, amx_matmuls: bool = True) -> str:
-    """The CPU matmul family a model in ``dtype`` takes here, in words (for the load log)."""
+    """The CPU matmul family a model in ``dtype`` takes here, in words (for the load log; a
+    weight of a shape the dot kernels do not take, e.g. a vocabulary not a multiple of 16,
+    keeps oneDNN)."""
     if dtype == torch.float32 and cpu_kernels.f32_kernels_available():
         return "the float32 dot kernels"
     if dtype != torch.bfloat16:

@@ -278,8 +278,8 @@ class CausalLM(nn.Module):
         AMX or AVX512-BF16, or float32 weights and AVX2 (the backend's
         ``quantized_matmuls``); a matmul whose parts are not all blocks of one supported type
         (or, with the dot kernels, of Q4_K and Q6_K) keeps its dense weight.
-        ``int8_activations``: with AVX512-VNNI and no AMX, the bf16 block matmuls quantize
-        their inputs to int8. Returns how many matmuls took their blocks."""
+        ``int8_activations``: on the dot kernels with AVX512-VNNI, the bf16 block matmuls
+        quantize their inputs to int8. Returns how many matmuls took their blocks."""
         if not self.backend.quantized_matmuls:
             return 0
         parts: list[tuple[Any, list[str]]] = [
