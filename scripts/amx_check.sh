@@ -10,7 +10,8 @@
 #      `conveyor bench offline --max-model-len 2048`, as docs/benchmarks.md's AMX A/B did;
 #   3. the mean output tok/s of each tree and new / old (the claim: about 1.0, within the
 #      runs' own spread), and the decode step / bf16 matmuls ratios (summary.txt).
-# About 6 minutes on 2 cores (the tests, two first kernel builds, eight bench runs). Results under OUT.
+# About 6 minutes on 2 cores (the tests, two first kernel builds, eight bench runs).
+# Results under OUT.
 #   bash scripts/amx_check.sh [OUT] [BASE]
 # To try the script on another CPU: AMX_CHECK_ANY_CPU=1 AMX_CHECK_ORDER="old new" (the
 # figures then say nothing about AMX).

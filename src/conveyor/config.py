@@ -160,18 +160,19 @@ class LoadConfig:
     seed: int = setting(0, "seed of dummy weights and of unseeded sampling")
     quantized_matmuls: bool = setting(
         True, "matmuls read a GGUF's Q4_0/Q4_1/Q8_0 (on the dot kernels also Q4_K/Q6_K) "
-              "weight blocks in place (the exact GGUF weights, fewer bytes than bf16/float32 copies)")
+              "weight blocks in place (the exact GGUF weights, fewer bytes than bf16/float32 "
+              "copies)")
     int8_activations: bool = setting(
         True, "bf16 block matmuls on the dot kernels (CPUs with AVX512-VNNI and no AMX, or "
-              "amx_matmuls off) quantize each token's "
-              "inputs to int8 per 32 (llama.cpp's way: twice the multiply-adds per "
-              "instruction; +0.5 % perplexity on the default model); off: bf16 inputs")
+              "amx_matmuls off) quantize each token's inputs to int8 per 32 (llama.cpp's "
+              "way: twice the multiply-adds per instruction; +0.5 % perplexity on the "
+              "default model); off: bf16 inputs")
     amx_matmuls: bool = setting(
         True, "bf16 matmuls on CPUs with AMX use its tiles and oneDNN (the most tokens a "
               "second at large batches); off: the dot kernels of CPUs without AMX (with "
               "int8_activations, llama.cpp's int8 inputs): one stream decodes ~2.3x faster "
-              "on a 2-core Xeon, a 64-request batch ~1.25x slower, a long prompt ~1.9x; outputs stay batch-invariant "
-              "either way")
+              "on a 2-core Xeon, a 64-request batch ~1.25x slower, a long prompt prefills "
+              "~1.9x slower; outputs stay batch-invariant either way")
     device: str = setting("auto", "auto, cpu or cuda")
     enforce_eager: bool = setting(
         False, "CUDA: run every step eagerly; otherwise decode-only steps replay CUDA graphs "

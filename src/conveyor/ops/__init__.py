@@ -15,12 +15,12 @@ extra copies; ``decode_layers`` runs every decoder layer of a decode-only step i
 (``model/cpu_decode.py``); for bf16 on CPUs with AMX (``amx_available``) ``quantized_linear``
 (``csrc/quant_linear.cpp``: decode matmuls that read a GGUF's Q4_0/Q4_1/Q8_0 blocks in place,
 bit-identical to oneDNN on the bf16 weights); with AVX512-BF16 and no AMX, or with AMX under
-the engine argument ``amx_matmuls=False`` (``dot_kernels_available``) ``dot_linear``, every matmul at every batch size, on bf16 pair
-tiles or GGUF blocks (``csrc/dot_linear.cpp``, ``csrc/dot_blocks.cpp``; with AVX512-VNNI
-(``vnni_blocks_available``) the blocks take int8 inputs, ``csrc/vnni_blocks.cpp``), and for float32 with
-AVX2 (``f32_kernels_available``) the same on float32 lane tiles or GGUF blocks
-(``csrc/f32_linear.cpp``); and ``prefill_attention`` with either
-(``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
+the engine argument ``amx_matmuls=False`` (``dot_kernels_available``) ``dot_linear``, every
+matmul at every batch size, on bf16 pair tiles or GGUF blocks (``csrc/dot_linear.cpp``,
+``csrc/dot_blocks.cpp``; with AVX512-VNNI (``vnni_blocks_available``) the blocks take int8
+inputs, ``csrc/vnni_blocks.cpp``), and for float32 with AVX2 (``f32_kernels_available``)
+the same on float32 lane tiles or GGUF blocks (``csrc/f32_linear.cpp``); and
+``prefill_attention`` with either (``csrc/prefill_attention.cpp``). If the build fails (no C++ compiler) the engine logs why
 and runs the reference. ``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
 """
 
