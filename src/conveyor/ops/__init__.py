@@ -21,7 +21,8 @@ matmul at every batch size, on bf16 pair tiles or GGUF blocks (``csrc/dot_linear
 inputs, ``csrc/vnni_blocks.cpp``), and for float32 with AVX2 (``f32_kernels_available``)
 the same on float32 lane tiles or GGUF blocks (``csrc/f32_linear.cpp``); and
 ``prefill_attention`` with either (``csrc/prefill_attention.cpp``). If the build fails (no
-C++ compiler) the engine logs why and runs the reference. ``CONVEYOR_KERNELS=0`` selects the reference on CPU too.
+C++ compiler) the engine logs why and runs the reference. ``CONVEYOR_KERNELS=0`` selects the
+reference on CPU too.
 """
 
 from __future__ import annotations
