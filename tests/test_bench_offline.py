@@ -14,12 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conveyor.bench import plots
+from conveyor.bench.offline import format_offline
 from conveyor.bench.sweep import find_knee
 from conveyor.cli import main
 from conveyor.cli.engine_args import parse_engine_override
 from conveyor.engine.stats import ScheduledEntry, StepTrace
+from conveyor.model.device import KERNEL_CPU_FLAGS, cpu_flags
+from conveyor.model.layers import matmul_kernels
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_KV_MEMORY = 1 << 20  # 64 blocks of 16 tokens for the tiny MHA model in float32
@@ -202,6 +206,13 @@ def test_offline_reports_throughput_roofline_and_the_reference_ops_ratio(
     assert row["batch"] == 2 and row["ratio"] == pytest.approx(
         row["decode_step_ms"] / row["bare_matmul_ms"])
     assert report["engine"]["max_num_batched_tokens"] == 2048  # the offline default
+    # The figures name their machine: the CPU with the flags that pick its kernels, and the
+    # matmul family that ran (docs/benchmarks.md names both beside every figure).
+    flags_present = set(cpu_flags() or ())
+    assert report["engine"]["machine"].endswith(
+        "(" + " ".join(f for f in KERNEL_CPU_FLAGS if f in flags_present) + ")")
+    assert report["engine"]["matmuls"] == matmul_kernels(getattr(torch, report["engine"]["dtype"]))
+    assert f"Matmuls:{' ' * 32}{report['engine']['matmuls']}" in format_offline(report)
 
 
 def test_offline_against_a_second_engine_reports_both(

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from conveyor.engine.llm import LLM
+from conveyor.model.device import machine_name
+from conveyor.model.layers import matmul_kernels
 from conveyor.ops import ReferenceBackend
 from conveyor.runner.cuda_graphs import no_collection_inside
 from conveyor.sampling_params import RequestOutputKind, SamplingParams
@@ -365,8 +367,12 @@ def run_offline(llm: LLM, workload: Any, roofline_batches: tuple[int, ...] = (1,
 
 
 def _engine_summary(llm: LLM) -> dict[str, Any]:
-    return {"dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "device": str(llm.engine.device),
+    engine = llm.engine
+    return {"dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device),
+            "machine": machine_name(engine.device),
+            "matmuls": (matmul_kernels(engine.dtype, engine.args.amx_matmuls)
+                        if engine.device.type == "cpu" else "torch"),
             "kv_cache_dtype": llm.engine.kv_layout.kv_cache_dtype,
             "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": llm.engine.scheduler_config.max_num_batched_tokens,
@@ -403,10 +409,18 @@ def _rounds_lines(report: dict[str, Any], result: dict[str, Any]) -> list[str]:
     return [f"{'Rounds (output tok/s each):':<40}{each}"]
 
 
+def _machine_lines(report: dict[str, Any]) -> list[str]:
+    engine = report.get("engine", {})  # (reports saved before these keys have none)
+    return [f"{label:<40}{engine[key]}" for label, key in (("Machine:", "machine"),
+                                                          ("Matmuls:", "matmuls"))
+            if key in engine]
+
+
 def format_offline(report: dict[str, Any]) -> str:
     r = report["result"]
     lines = [
         "============ Offline Benchmark Result ============",
+        *_machine_lines(report),
         f"{'Requests:':<40}{r['num_requests']}",
         f"{'Duration (s):':<40}{r['duration_s']:.2f}",
         f"{'Prompt tokens:':<40}{r['prompt_tokens']}",

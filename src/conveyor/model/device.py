@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 import time
 
 import torch
@@ -81,3 +82,24 @@ def cpu_bf16_speedup() -> float:
     speedup = best[torch.float32] / best[torch.bfloat16]
     logger.debug("CPU bf16 matmul speedup over float32: %.1fx", speedup)
     return speedup
+
+
+# The CPU flags that decide which kernels run, widest first: a result names them beside its
+# CPU (docs/benchmarks.md's rule), since the figures differ by whole factors between them.
+KERNEL_CPU_FLAGS = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
+
+
+def machine_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name and which of ``KERNEL_CPU_FLAGS`` it has (e.g.
+    "Intel(R) Xeon(R) Processor (amx_tile avx512_bf16 avx512_vnni avx512f avx2)")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = cpu_flags() or frozenset()
+    return f"{name} ({' '.join(flag for flag in KERNEL_CPU_FLAGS if flag in flags) or 'none'})"

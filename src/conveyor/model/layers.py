@@ -193,10 +193,7 @@ def matmul_kernels(dtype: torch.dtype, amx_matmuls: bool = True) -> str:
     if cpu_kernels.dot_kernels_available(amx_matmuls):
         return "the AVX512-BF16 dot kernels" + (
             " (amx_matmuls off)" if cpu_kernels.amx_available() else "")
-    if cpu_kernels.amx_available():
-        return ("AMX tiles and oneDNN (--no-amx-matmuls: the dot kernels, ~2.3x one "
-                "stream's decode speed, ~0.75x a full batch's)")
-    return "oneDNN"
+    return "AMX tiles and oneDNN" if cpu_kernels.amx_available() else "oneDNN"
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:

@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import platform
 import random
 import statistics
 import time
@@ -173,21 +172,6 @@ def _time_idle(engine: LLMEngine, grid: ProfileGrid, rng: random.Random) -> floa
     return max(statistics.median(idle) - statistics.median(busy), 0.0)
 
 
-def _machine(engine: LLMEngine) -> str:
-    if engine.device.type == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(engine.device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _check_capacity(grid: ProfileGrid, layout: KVCacheLayout) -> None:
     """Refuse a grid whose largest point does not fit the KV cache: a preemption would
     recompute prompts in the middle of the timing (and a prefill that is preempted again and
@@ -210,6 +194,7 @@ def run_profile(base: EngineArgs, grid: ProfileGrid,
     """Build the engine, time the grid, fit the cost terms; with `serve`, then price the
     server's own work with a short real serve run (see measure_server)."""
     from conveyor.bench.workloads import build_llm, warm_up
+    from conveyor.model.device import machine_name
 
     args = grid.engine_args(base)
     llm = build_llm(args)
@@ -231,7 +216,7 @@ def run_profile(base: EngineArgs, grid: ProfileGrid,
         model=engine.model_name, model_path=base.model,
         model_fingerprint=model_fingerprint(engine.model_config), engine_version=__version__,
         dtype=str(engine.dtype).removeprefix("torch."), kv_cache_dtype=args.kv_cache_dtype,
-        device=engine.device.type, machine=_machine(engine), coefficients=coefficients,
+        device=engine.device.type, machine=machine_name(engine.device), coefficients=coefficients,
         samples=[{**dataclasses.asdict(s), "time_s": t} for s, t in timer.samples],
         median_abs_error=0.0, date=datetime.now().isoformat(timespec="seconds"),
         idle_step_s=idle_step, idle_gap_s=grid.idle_gap_s if grid.idle_pairs else 0.0)
