@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The AMX check, for a session on an Intel Xeon with AMX (most sessions run on AMD Zen 4,
-# without AMX: the AMX code is compiled, by tests/test_kernel_targets.py, but never run there):
+# without AMX: the AMX code is compiled, by tests/test_kernel_sources.py, but never run there):
 # no regression on the AMX path. Issue 15's check (2026-12-05, docs/benchmarks.md) found the
 # AMX kernels had not built for 29 hours; run this on the first AMX machine a session gets.
 #   1. the kernel and batch-invariance tests on this CPU (tests.log);
