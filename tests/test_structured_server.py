@@ -294,19 +294,29 @@ def _streamed(server: ServerProcess, **body: object) -> tuple[str | None, list, 
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
 
 
+def _whole_and_streamed(server: ServerProcess,
+                        **body: object) -> tuple[dict, list[tuple[str, str]], str]:
+    """The same request whole and streamed, checked to agree (content, every call's name and
+    arguments text in order, finish_reason): the whole answer's choice, and the calls and
+    finish_reason."""
+    choice = _chat(server, **body).json()["choices"][0]
+    content, calls, finish = _streamed(server, **body)
+    whole = choice["message"]
+    assert content == whole["content"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in whole.get("tool_calls", [])]  # left out when there are none
+    assert finish == choice["finish_reason"]
+    return choice, calls, finish
+
+
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
 def test_tool_calls_whole_and_streamed_agree(server: ServerProcess, tool_choice: object):
     # One call each (parallel calls would let the small model go on calling to max_tokens)
     body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 64,
             "parallel_tool_calls": False}
-    message = _chat(server, **body).json()["choices"][0]
-    content, calls, finish = _streamed(server, **body)
+    message, _, _ = _whole_and_streamed(server, **body)
     whole = message["message"]
-    assert content == whole["content"]
-    assert calls == [(c["function"]["name"], c["function"]["arguments"])
-                     for c in whole.get("tool_calls", [])]  # left out when there are none
-    assert finish == message["finish_reason"]
     if tool_choice == "auto":
         return  # the model may answer in text; what it did is the same either way
     # A named function's calls end with "stop", as OpenAI's and vLLM's do
@@ -326,12 +336,8 @@ def test_forced_calls_cut_short_are_never_content(server: ServerProcess, tool_ch
     """A grammar-forced call that max_tokens ends before its name is written: no content
     (the call's markup leaked into it), whole or streamed; finish_reason "length"."""
     body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 3}
-    choice = _chat(server, **body).json()["choices"][0]
-    content, calls, finish = _streamed(server, **body)
-    assert choice["message"]["content"] is None and content is None
-    assert choice["finish_reason"] == finish == "length"
-    assert calls == [(c["function"]["name"], c["function"]["arguments"])
-                     for c in choice["message"].get("tool_calls", [])]
+    choice, _, finish = _whole_and_streamed(server, **body)
+    assert choice["message"]["content"] is None and finish == "length"
 
 
 def test_tool_round_trip_with_the_client(server: ServerProcess, client: openai.OpenAI):
@@ -419,12 +425,9 @@ def test_required_with_parallel_calls(server: ServerProcess):
     body = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": True,
             "max_tokens": 100, "messages": [
                 {"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]}
-    choice = _chat(server, **body).json()["choices"][0]
-    content, calls, finish = _streamed(server, **body)
+    choice, calls, finish = _whole_and_streamed(server, **body)
     whole = choice["message"]
-    assert content == whole["content"] is None and finish == choice["finish_reason"]
-    assert calls == [(c["function"]["name"], c["function"]["arguments"])
-                     for c in whole["tool_calls"]]
+    assert whole["content"] is None
     assert len({c["id"] for c in whole["tool_calls"]}) == len(calls) >= 1
     tools = {"get_weather": WEATHER, "get_time": TIME}
     finished = calls if finish == "tool_calls" else calls[:-1]
